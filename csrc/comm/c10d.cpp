@@ -1,0 +1,25 @@
+// Calls into c10d (see c10d.h for why they are gathered here).
+#include "comm/c10d.h"
+
+#include <c10/util/Exception.h>
+
+namespace pycomm::comm {
+
+c10d::ReduceOp reduce_op(const std::string& name) {
+  if (name == "sum") return c10d::ReduceOp::SUM;
+  if (name == "avg") return c10d::ReduceOp::AVG;
+  if (name == "max") return c10d::ReduceOp::MAX;
+  if (name == "min") return c10d::ReduceOp::MIN;
+  if (name == "product") return c10d::ReduceOp::PRODUCT;
+  TORCH_CHECK_VALUE(false, "unknown reduce op '", name, "': expected sum, avg, max, min or product");
+}
+
+WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op) {
+  TORCH_CHECK(pg, "start_allreduce: process group is null");
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+  return pg->allreduce(tensors, opts);
+}
+
+}  // namespace pycomm::comm

@@ -1,0 +1,30 @@
+// The whole c10d surface pycomm's C++ uses, in one place: c10d's API moves between
+// torch releases, so every call into it goes through here, guarded by version checks.
+#pragma once
+
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <torch/version.h>
+
+#include <string>
+#include <vector>
+
+#define PYCOMM_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+static_assert(PYCOMM_TORCH_AT_LEAST(2, 4), "pycomm needs torch >= 2.4");
+
+namespace pycomm::comm {
+
+using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+
+// "sum" | "avg" | "max" | "min" | "product" -> c10d::ReduceOp; anything else is an error
+// that names the op.
+c10d::ReduceOp reduce_op(const std::string& name);
+
+// Launch an asynchronous all-reduce of `tensor` in place on `pg`; the caller waits.
+WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op);
+
+}  // namespace pycomm::comm

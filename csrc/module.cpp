@@ -1,0 +1,33 @@
+// The one Python module of the extension (pycomm._C). Stateless math lives in
+// TORCH_LIBRARY ops (csrc/ops.cpp); only stateful C++ objects and the c10d handoff are
+// bound here.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/extension.h>
+
+#include "comm/c10d.h"
+
+namespace pycomm {
+
+// A blocking all-reduce issued from C++ on a ProcessGroup handed over from Python: the
+// path pycomm's reducer launches its bucket collectives on.
+void allreduce_(const comm::ProcessGroupPtr& pg, at::Tensor tensor, const std::string& op) {
+  auto work = comm::start_allreduce(pg, tensor, comm::reduce_op(op));
+  pybind11::gil_scoped_release no_gil;
+  work->wait();
+}
+
+}  // namespace pycomm
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "pycomm's C++ extension: stateful objects and the c10d handoff";
+  m.def("_allreduce_", &pycomm::allreduce_, pybind11::arg("process_group"), pybind11::arg("tensor"),
+        pybind11::arg("op") = "sum",
+        "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
+  m.attr("cuda") = pybind11::bool_(
+#ifdef PYCOMM_WITH_CUDA
+      true
+#else
+      false
+#endif
+  );
+}

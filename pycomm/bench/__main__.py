@@ -1,0 +1,27 @@
+"""The `pycomm-bench` command (also `python -m pycomm.bench`). With no subcommand it runs
+the default job: an all-reduce sweep on 2 local ranks (Gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import collectives
+
+_COMMANDS = {"collectives": collectives}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv = ["collectives", *argv]
+    parser = argparse.ArgumentParser(prog="pycomm-bench", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, mod in _COMMANDS.items():
+        mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0]))
+    ns = parser.parse_args(argv)
+    return _COMMANDS[ns.command].main(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

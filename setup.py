@@ -1,0 +1,45 @@
+"""Build pycomm._C: a CppExtension on CPU-only torch, a CUDAExtension when CUDA is there.
+
+Switches (one per real choice): PYCOMM_CUDA=auto|0|1, DEBUG=1. torch is not a build
+requirement: install with `pip install --no-build-isolation -e .` after torch.
+"""
+
+import glob
+import os
+
+import torch
+from setuptools import setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+
+def _use_cuda() -> bool:
+    choice = os.environ.get("PYCOMM_CUDA", "auto").strip().lower()
+    if choice not in ("auto", "0", "1"):
+        raise SystemExit(f"PYCOMM_CUDA must be auto, 0 or 1, got {choice!r}")
+    available = torch.version.cuda is not None and CUDA_HOME is not None
+    if choice == "1" and not available:
+        raise SystemExit(
+            "PYCOMM_CUDA=1 but torch has no CUDA build "
+            f"(torch.version.cuda={torch.version.cuda}) or CUDA_HOME is unset ({CUDA_HOME})"
+        )
+    return available if choice == "auto" else choice == "1"
+
+
+def _extension():
+    with_cuda = _use_cuda()
+    debug = os.environ.get("DEBUG", "0") == "1"
+    opt = ["-O0", "-g"] if debug else ["-O3"]
+    sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    macros = []
+    args = {"cxx": opt + ["-fvisibility=hidden"]}
+    kind = CppExtension
+    if with_cuda:
+        sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
+        macros.append(("PYCOMM_WITH_CUDA", None))
+        args["nvcc"] = opt + ["-lineinfo"]
+        kind = CUDAExtension
+    return kind("pycomm._C", sources, include_dirs=[os.path.abspath("csrc")],
+                define_macros=macros, extra_compile_args=args)
+
+
+setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
