@@ -1,0 +1,54 @@
+"""Gradient clipping by total norm: pycomm.clip_grad_norm_, a drop-in for
+torch.nn.utils.clip_grad_norm_ built on the fused ops (one C++ call per step however many
+gradients there are; the norm pass and the scale pass are the only passes over memory,
+and the scale pass is skipped when the coefficient is 1). The DDP-aware, per-bucket
+variant belongs to pycomm.DistributedDataParallel, not here."""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections.abc import Iterable
+from typing import Optional, Union
+
+import torch
+
+from . import ops
+
+_Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None) -> torch.Tensor:
+    """Clip the gradient norm of an iterable of parameters, in place.
+
+    Same contract as :func:`torch.nn.utils.clip_grad_norm_`: the norm is taken over all
+    gradients as if concatenated into one vector; gradients are multiplied by
+    ``min(max_norm / (total_norm + 1e-6), 1)``; the total norm is returned as a tensor on
+    the first gradient's device, in the dtype torch returns (the promotion of the
+    gradients' dtypes). Low-precision gradients accumulate in float32, so half/bfloat16
+    norms are at least as accurate as torch's.
+
+    Differences, by design: no host sync unless ``error_if_nonfinite`` (as torch); the
+    scale pass does not touch memory when the coefficient is 1; ``norm_type`` must be
+    > 0 or inf (torch also accepts 0 and negative orders, which do not occur in clipping);
+    ``foreach`` is accepted for signature compatibility and ignored (the fused path is
+    always taken); gradients must be on CPU or CUDA devices. Non-contiguous gradients are
+    handled (dense layouts in place, strided views through a copy for the norm and torch's
+    ``mul_`` for the scale).
+    """
+    del foreach  # one fused path serves both of torch's code paths
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    else:
+        is_generator = isinstance(parameters, types.GeneratorType)
+        parameters = list(parameters)
+        if is_generator and not parameters:
+            warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
+                          stacklevel=3)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
