@@ -104,8 +104,8 @@ def _(acc: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:
 
 
 @torch.library.register_fake("pycomm::clip_grad_norm_")
-def _(grads: list[torch.Tensor], max_norm: float, norm_type: float,
-      error_if_nonfinite: bool) -> torch.Tensor:
+def _(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+      error_if_nonfinite: bool = False) -> torch.Tensor:
     torch._check(len(grads) > 0, lambda: "clip_grad_norm_: grads must not be empty")
     dtype = grads[0].dtype
     for g in grads:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import collectives
+from . import clip, collectives
 
-_COMMANDS = {"collectives": collectives}
+_COMMANDS = {"collectives": collectives, "clip": clip}
 
 
 def main(argv: list[str] | None = None) -> int:
