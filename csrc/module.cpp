@@ -16,6 +16,8 @@ void allreduce_(const comm::ProcessGroupPtr& pg, at::Tensor tensor, const std::s
   work->wait();
 }
 
+void bind_clip(pybind11::module& m);  // csrc/grad/clip_bind.cpp
+
 }  // namespace pycomm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -23,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_allreduce_", &pycomm::allreduce_, pybind11::arg("process_group"), pybind11::arg("tensor"),
         pybind11::arg("op") = "sum",
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
+  pycomm::bind_clip(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA
       true

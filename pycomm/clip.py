@@ -13,7 +13,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import ops
+from . import _C
 
 _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -37,7 +37,8 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
     ``foreach`` is accepted for signature compatibility and ignored (the fused path is
     always taken); gradients must be on CPU or CUDA devices. Non-contiguous gradients are
     handled (dense layouts in place, strided views through a copy for the norm and torch's
-    ``mul_`` for the scale).
+    ``mul_`` for the scale). Under torch.compile, or for gradient tensors rather than
+    parameters, use :func:`pycomm.ops.clip_grad_norm_`.
     """
     del foreach  # one fused path serves both of torch's code paths
     if isinstance(parameters, torch.Tensor):
@@ -48,7 +49,7 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
         if is_generator and not parameters:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
-        return torch.tensor(0.0)
-    return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+    # Reads every .grad in C++ and runs the pycomm::clip_grad_norm_ composite unboxed: see
+    # csrc/grad/clip_bind.cpp for why this is not a torch.ops call.
+    return _C._clip_grad_norm_(parameters, float(max_norm), float(norm_type),
+                               bool(error_if_nonfinite))

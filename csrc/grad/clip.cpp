@@ -10,6 +10,7 @@
 
 #include <vector>
 
+#include "grad/clip.h"
 #include "grad/grad_math.h"
 
 namespace pycomm {
@@ -66,6 +67,8 @@ at::ScalarType norm_dtype(at::TensorList grads) {
   return dtype;
 }
 
+}  // namespace
+
 at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double norm_type,
                                bool error_if_nonfinite) {
   constexpr const char* op = "pycomm::clip_grad_norm_";
@@ -100,8 +103,6 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
   }
   return total;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_IMPL(pycomm, CompositeExplicitAutograd, m) {
   m.impl("clip_grad_norm_", &clip_grad_norm_impl);

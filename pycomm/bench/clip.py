@@ -66,11 +66,11 @@ class Row:
     wrong: int
 
 
-class _Holder:
-    """What clip_grad_norm_ reads from a parameter: `.grad`. Saves the parameters' memory."""
-
-    def __init__(self, grad: torch.Tensor) -> None:
-        self.grad = grad
+def _holder(grad: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter carrying `grad`; its own storage is never written, so never paged in."""
+    p = torch.nn.Parameter(torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
+    p.grad = grad
+    return p
 
 
 def _methods() -> dict[str, Callable]:
@@ -112,8 +112,8 @@ def _grads(shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list[
 def _count_wrong(shapes, dtype, device, max_norm: float) -> int:
     """Untimed: tensors whose clipped gradient differs from torch's beyond dtype noise."""
     ours, ref = _grads(shapes, dtype, device, 1), _grads(shapes, dtype, device, 1)
-    n1 = pycomm_clip.clip_grad_norm_([_Holder(g) for g in ours], max_norm)
-    n2 = torch.nn.utils.clip_grad_norm_([_Holder(g) for g in ref], max_norm)
+    n1 = pycomm_clip.clip_grad_norm_([_holder(g) for g in ours], max_norm)
+    n2 = torch.nn.utils.clip_grad_norm_([_holder(g) for g in ref], max_norm)
     # fp32 reductions in different orders: a few ulp of the norm (see tests/test_clip.py).
     tol = dict(rtol=1e-4, atol=1e-7)
     wrong = sum(not torch.allclose(a.float(), b.float(), **tol) for a, b in zip(ours, ref))
@@ -124,7 +124,7 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     shapes = CASES[case]()
     grads = _grads(shapes, dtype, device, 0)
-    holders = [_Holder(g) for g in grads]
+    holders = [_holder(g) for g in grads]
     elements = sum(g.numel() for g in grads)
     nbytes = elements * grads[0].element_size()
     norm0 = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
