@@ -247,3 +247,27 @@ def test_list_ops_opcheck(device, dtype):
     acc = _randn_list([300, 5, 0], torch.float32 if dtype != torch.float64 else dtype, device)
     torch.library.opcheck(torch.ops.pycomm.accumulate_.default, (acc, ts, 0.5))
     torch.library.opcheck(torch.ops.pycomm.clip_grad_norm_.default, (ts, 0.5, 2.0, False))
+
+
+def test_cpu_kernels_follow_aten_capability():
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    assert pycomm._C._cpu_kernels() == ("avx2" if avx2 else "default")
+
+
+def test_portable_cpu_kernels_match_torch_too():
+    # The CPU loops exist twice (ATen's portable at::vec and its AVX2 build, picked by
+    # ATen's CPU capability); this process runs one, a child forced to ATen's default
+    # capability runs the other through the same checks.
+    import os
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(
+        tests, "test_ops.py"), "-k", "cpu and (norm_partial_matches or scale_matches or "
+        "accumulate_matches or touches_nothing or flags_nonfinite or follow_aten) and not portable"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout

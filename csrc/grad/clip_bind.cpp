@@ -8,9 +8,11 @@
 #include <torch/csrc/utils/pybind.h>
 #include <ATen/ops/scalar_tensor.h>
 
+#include <string>
 #include <vector>
 
 #include "grad/clip.h"
+#include "grad/cpu_pieces.h"
 
 namespace pycomm {
 namespace {
@@ -34,6 +36,8 @@ void bind_clip(pybind11::module& m) {
         pybind11::arg("max_norm"), pybind11::arg("norm_type") = 2.0,
         pybind11::arg("error_if_nonfinite") = false,
         "pycomm.clip_grad_norm_ on a list of parameters (reads .grad in C++).");
+  m.def("_cpu_kernels", [] { return std::string(cpu_pieces().name); },
+        "Which build of the CPU inner loops this process runs: 'avx2' or 'default'.");
 }
 
 }  // namespace pycomm

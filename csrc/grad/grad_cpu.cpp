@@ -6,13 +6,20 @@
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/Version.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <string>
 #include <vector>
 
+#include "grad/cpu_pieces.h"
 #include "grad/grad_math.h"
 #include "grad/span_list.h"
+
+#define PYCOMM_CPU_NS cpu_default
+#include "grad/cpu_kernels.h"
+#undef PYCOMM_CPU_NS
 
 namespace pycomm {
 namespace {
@@ -69,73 +76,8 @@ at::Tensor sum_squares_cpu(const at::Tensor& x) {
   return out;
 }
 
-// Two opmath vectors' worth of T at a time: float/double load two vectors, half/bfloat16
-// load one and widen it, so every dtype steps by the same count within one opmath type.
-template <typename T>
-struct OpmathVec {
-  using Acc = at::opmath_type<T>;
-  using Vec = at::vec::Vectorized<Acc>;
-  static constexpr int64_t kStep = 2 * Vec::size();
-  static std::pair<Vec, Vec> load(const T* p) {
-    if constexpr (std::is_same_v<T, Acc>) {
-      return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
-    } else {
-      static_assert(at::vec::Vectorized<T>::size() == kStep);
-      auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
-      return {a, b};
-    }
-  }
-  static void store(T* p, const Vec& a, const Vec& b) {
-    if constexpr (std::is_same_v<T, Acc>) {
-      a.store(p);
-      b.store(p + Vec::size());
-    } else {
-      at::vec::convert_from_float<T>(a, b).store(p);
-    }
-  }
-};
-
-template <NormKind K, typename Vec>
-Vec vec_norm_step(const Vec& acc, const Vec& x, const Vec& p) {
-  if constexpr (K == NormKind::kOne) return acc + x.abs();
-  else if constexpr (K == NormKind::kTwo) return at::vec::fmadd(x, x, acc);
-  else if constexpr (K == NormKind::kInf) return at::vec::maximum(acc, x.abs());
-  else return acc + x.abs().pow(p);
-}
-
-// The norm partial of n elements (See Note [Norm partials]); nonfinite is 0 or nan here.
-template <NormKind K, typename T>
-std::pair<double, double> norm_piece(const T* x, int64_t n, double p) {
-  using OV = OpmathVec<T>;
-  using Acc = typename OV::Acc;
-  using Vec = typename OV::Vec;
-  const Vec pv(static_cast<Acc>(p));
-  Vec acc0(Acc(0)), acc1(Acc(0)), nf0(Acc(0)), nf1(Acc(0));
-  int64_t i = 0;
-  for (; i + OV::kStep <= n; i += OV::kStep) {
-    auto [a, b] = OV::load(x + i);
-    acc0 = vec_norm_step<K>(acc0, a, pv);
-    acc1 = vec_norm_step<K>(acc1, b, pv);
-    nf0 = nf0 + (a - a);
-    nf1 = nf1 + (b - b);
-  }
-  const auto combine = [](const Vec& u, const Vec& v) {
-    if constexpr (K == NormKind::kInf) return at::vec::maximum(u, v);
-    else return u + v;
-  };
-  Acc acc = at::vec::vec_reduce_all<Acc>(combine, combine(acc0, acc1));
-  Acc nf = at::vec::vec_reduce_all<Acc>([](const Vec& u, const Vec& v) { return u + v; },
-                                        nf0 + nf1);
-  for (; i < n; ++i) {
-    const Acc v = static_cast<Acc>(x[i]);
-    acc = norm_step<K, Acc>(acc, v, static_cast<Acc>(p));
-    nf += v - v;
-  }
-  return {static_cast<double>(acc), static_cast<double>(nf)};
-}
-
-template <NormKind K>
-void norm_partial_chunks(const SpanList& l, double p, double* out) {
+void norm_partial_chunks(const SpanList& l, NormKind kind, double p, double* out) {
+  const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
   std::vector<double> acc(static_cast<size_t>(chunks), 0.0), nf(static_cast<size_t>(chunks), 0.0);
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
@@ -143,17 +85,16 @@ void norm_partial_chunks(const SpanList& l, double p, double* out) {
       const int64_t lo = c * kReduceChunk;
       for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk), [&](size_t s, int64_t off, int64_t n) {
         const Span& sp = l.spans[s];
-        AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sp.dtype, "norm_partial_cpu", [&] {
-          const auto [a, f] = norm_piece<K, scalar_t>(static_cast<const scalar_t*>(sp.data) + off, n, p);
-          acc[c] = norm_combine<K, double>(acc[c], a);
-          nf[c] += f;
-        });
+        double a = 0.0, f = 0.0;
+        pieces.norm(kind, sp.dtype, static_cast<const char*>(sp.data) + off * elementSize(sp.dtype), n, p, &a, &f);
+        acc[c] = kind == NormKind::kInf ? max_propagate_nan(acc[c], a) : acc[c] + a;
+        nf[c] += f;
       });
     }
   });
   double total_acc = 0.0, total_nf = 0.0;
   for (int64_t c = 0; c < chunks; ++c) {  // chunk order: deterministic
-    total_acc = norm_combine<K, double>(total_acc, acc[c]);
+    total_acc = kind == NormKind::kInf ? max_propagate_nan(total_acc, acc[c]) : total_acc + acc[c];
     total_nf += nf[c];
   }
   out[0] = total_acc;
@@ -167,26 +108,13 @@ at::Tensor norm_partial_cpu(at::TensorList tensors, double norm_type) {
   std::vector<at::Tensor> copies;
   const SpanList l = read_spans(tensors, copies);
   double result[2];
-  with_norm_kind(kind, [&](auto k) { norm_partial_chunks<decltype(k)::value>(l, norm_type, result); });
+  norm_partial_chunks(l, kind, norm_type, result);
   auto out = at::empty({2}, tensors[0].options().dtype(partial_dtype(tensors)));
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "norm_partial_cpu_out", [&] {
     out.mutable_data_ptr<scalar_t>()[0] = static_cast<scalar_t>(result[0]);
     out.mutable_data_ptr<scalar_t>()[1] = static_cast<scalar_t>(result[1]);
   });
   return out;
-}
-
-// x *= c over one span piece, in opmath.
-template <typename T>
-void scale_piece(T* x, int64_t n, at::opmath_type<T> c) {
-  using OV = OpmathVec<T>;
-  const typename OV::Vec cv(c);
-  int64_t i = 0;
-  for (; i + OV::kStep <= n; i += OV::kStep) {
-    auto [a, b] = OV::load(x + i);
-    OV::store(x + i, a * cv, b * cv);
-  }
-  for (; i < n; ++i) x[i] = static_cast<T>(static_cast<at::opmath_type<T>>(x[i]) * c);
 }
 
 void scale_cpu_(at::TensorList tensors, const at::Tensor& factor) {
@@ -202,44 +130,15 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& factor) {
   std::vector<size_t> strided;
   const SpanList l = write_spans(tensors, strided);
   for (size_t i : strided) tensors[i].mul_(factor);
+  const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for_each_piece(l, begin * kReduceChunk, std::min(l.total(), end * kReduceChunk),
                    [&](size_t s, int64_t off, int64_t n) {
       const Span& sp = l.spans[s];
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, sp.dtype, "scale_cpu_", [&] {
-        using Acc = at::opmath_type<scalar_t>;
-        scale_piece<scalar_t>(static_cast<scalar_t*>(sp.data) + off, n, static_cast<Acc>(c));
-      });
+      pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
     });
   });
-}
-
-// acc += scale * grad over one span piece; TA is TG or float32 (then TG is half/bfloat16).
-template <typename TA, typename TG>
-void accumulate_piece(TA* acc, const TG* grad, int64_t n, at::opmath_type<TA> scale) {
-  using OA = OpmathVec<TA>;
-  using OG = OpmathVec<TG>;
-  static_assert(OA::kStep == OG::kStep);
-  const typename OA::Vec sv(scale);
-  int64_t i = 0;
-  for (; i + OA::kStep <= n; i += OA::kStep) {
-    auto [a0, a1] = OA::load(acc + i);
-    auto [g0, g1] = OG::load(grad + i);
-    OA::store(acc + i, at::vec::fmadd(g0, sv, a0), at::vec::fmadd(g1, sv, a1));
-  }
-  for (; i < n; ++i) acc[i] = scaled_add<TA, TG>(acc[i], grad[i], scale);
-}
-
-template <typename TG>
-void accumulate_span(const Span& a, const Span& g, int64_t off, int64_t n, double scale) {
-  if (a.dtype == g.dtype) {
-    accumulate_piece<TG, TG>(static_cast<TG*>(a.data) + off, static_cast<const TG*>(g.data) + off,
-                             n, static_cast<at::opmath_type<TG>>(scale));
-  } else if constexpr (!std::is_same_v<TG, float> && !std::is_same_v<TG, double>) {
-    accumulate_piece<float, TG>(static_cast<float*>(a.data) + off,
-                                static_cast<const TG*>(g.data) + off, n, static_cast<float>(scale));
-  }
 }
 
 void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
@@ -258,12 +157,14 @@ void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
       acc[i].add_(grads[i], scale);  // layouts differ: torch's strided elementwise path
     }
   }
+  const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (la.total() + kReduceChunk - 1) / kReduceChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
     for_each_piece(la, begin * kReduceChunk, std::min(la.total(), end * kReduceChunk),
                    [&](size_t s, int64_t off, int64_t n) {
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, lg.spans[s].dtype, "accumulate_cpu_",
-                                      [&] { accumulate_span<scalar_t>(la.spans[s], lg.spans[s], off, n, scale); });
+      const Span &a = la.spans[s], &g = lg.spans[s];
+      pieces.accumulate(a.dtype, g.dtype, static_cast<char*>(a.data) + off * elementSize(a.dtype),
+                        static_cast<const char*>(g.data) + off * elementSize(g.dtype), n, scale);
     });
   });
 }
@@ -289,6 +190,19 @@ std::tuple<at::Tensor, at::Tensor> clip_coef_cpu(const at::Tensor& partial, doub
 }
 
 }  // namespace
+
+const CpuPieces& cpu_pieces() {
+  static const CpuPieces pieces = [] {
+#ifdef PYCOMM_HAVE_AVX2_PIECES
+    // ATen's own verdict on this CPU, which honours ATEN_CPU_CAPABILITY=default.
+    const std::string cap = at::get_cpu_capability();
+    if (cap == "AVX2" || cap == "AVX512") return cpu_avx2::pieces();
+#endif
+    return CpuPieces{&cpu_default::norm_piece_any, &cpu_default::scale_piece_any,
+                     &cpu_default::accumulate_piece_any, "default"};
+  }();
+  return pieces;
+}
 
 TORCH_LIBRARY_IMPL(pycomm, CPU, m) {
   m.impl("sum_squares", &sum_squares_cpu);
