@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from .. import _C
 from .. import clip as pycomm_clip
 from .._version import __version__
 
@@ -155,7 +156,8 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return (f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads,"
+            f" pycomm {_C._cpu_kernels()} loops)")
 
 
 def run(cfg: Config) -> tuple[float, list[Row]]:
