@@ -36,9 +36,10 @@ def gpt2_small_shapes() -> list[tuple[int, ...]]:
 
 
 CASES = {"gpt2-small": gpt2_small_shapes, "1000x1024": lambda: [(1024,)] * 1000}
-# max_norm relative to the initial norm: 1e-3 keeps clipping active on every call (after
-# the first call the norm sits at max_norm and the coefficient stays just below 1).
-MODES = {"active": 1e-3, "inactive": 1e9}
+# max_norm relative to the norm the gradients have before each call: 0.9 clips on every call
+# (the shared gradients shrink by 0.9 per call: ~0.003x after 54 calls, far from
+# denormals even in half precision); 1e9 never clips.
+MODES = {"active": 0.9, "inactive": 1e9}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Config:
     warmup: int = 3
     reps: int = 15
     copy_mib: int = 256
+    threads: int = 0  # 0: torch's default intra-op thread count
 
 
 @dataclass(frozen=True)
@@ -107,18 +109,23 @@ def copy_bandwidth(cfg: Config, device: torch.device) -> float:
 
 def _grads(shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(s, generator=gen) * 1e-3).to(device, dtype) for s in shapes]
+    return [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
 
 
-def _count_wrong(shapes, dtype, device, max_norm: float) -> int:
-    """Untimed: tensors whose clipped gradient differs from torch's beyond dtype noise."""
-    ours, ref = _grads(shapes, dtype, device, 1), _grads(shapes, dtype, device, 1)
-    n1 = pycomm_clip.clip_grad_norm_([_holder(g) for g in ours], max_norm)
-    n2 = torch.nn.utils.clip_grad_norm_([_holder(g) for g in ref], max_norm)
-    # fp32 reductions in different orders: a few ulp of the norm (see tests/test_clip.py).
-    tol = dict(rtol=1e-4, atol=1e-7)
-    wrong = sum(not torch.allclose(a.float(), b.float(), **tol) for a, b in zip(ours, ref))
-    return wrong + (not torch.allclose(n1.float(), n2.float(), **tol))
+def _count_wrong(shapes, dtype, device, rel: float) -> int:
+    """Untimed: pycomm's total norm and clipped gradients against an exact fp64 computation
+    on the same inputs (torch's own fp32 norm drifts ~3e-4 on the 38M-element embedding, so
+    it is not the reference here; tests/test_clip.py compares against torch)."""
+    grads = _grads(shapes, dtype, device, 1)
+    exact = [g.double() for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e) for e in exact]))
+    max_norm = rel * norm.item()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    total = pycomm_clip.clip_grad_norm_([_holder(g) for g in grads], max_norm)
+    # fp32 accumulation over ~1e8 elements and one rounding of each clipped element.
+    tol = dict(rtol=1e-5, atol=0.0)
+    wrong = sum(not torch.allclose(g.double(), e * coef, **tol) for g, e in zip(grads, exact))
+    return wrong + (not torch.allclose(total.double(), norm, **tol))
 
 
 def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
@@ -128,20 +135,18 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
     holders = [_holder(g) for g in grads]
     elements = sum(g.numel() for g in grads)
     nbytes = elements * grads[0].element_size()
-    norm0 = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
     rows = []
     for mode, rel in MODES.items():
-        max_norm = rel * norm0
-        methods = _methods()
-        for fn in methods.values():
-            for _ in range(cfg.warmup):
-                fn(holders, max_norm)
-        samples = {name: [] for name in methods}
-        for _ in range(cfg.reps):  # interleaved: each repetition runs every method once
-            for name, fn in methods.items():
-                samples[name].append(_time(lambda fn=fn, m=max_norm: fn(holders, m), device))
+        norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
+        samples = {name: [] for name in _methods()}
+        for rep in range(cfg.warmup + cfg.reps):  # interleaved: every method once per rep
+            for name, fn in _methods().items():
+                sec = _time(lambda fn=fn, m=rel * norm: fn(holders, m), device)
+                norm = min(norm, rel * norm)  # the norm the next call sees
+                if rep >= cfg.warmup:
+                    samples[name].append(sec)
         traffic = nbytes * (3 if mode == "active" else 1)
-        wrong = _count_wrong(shapes, dtype, device, max_norm)
+        wrong = _count_wrong(shapes, dtype, device, rel)
         base = statistics.median(samples["torch-foreach"])
         for name, s in samples.items():
             q = statistics.quantiles(s, n=10)
@@ -161,6 +166,8 @@ def _device_name(device: torch.device) -> str:
 
 
 def run(cfg: Config) -> tuple[float, list[Row]]:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)  # for torch's kernels and pycomm's alike
     device = torch.device(cfg.device)
     copy_gbps = copy_bandwidth(cfg, device)
     return copy_gbps, [r for case in cfg.cases for r in run_case(cfg, case, copy_gbps)]
@@ -194,13 +201,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--reps", type=int, default=Config.reps)
     p.add_argument("--warmup", type=int, default=Config.warmup)
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads for every method (default: torch's)")
     p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
 
 
 def main(ns: argparse.Namespace) -> int:
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = Config(device=device, cases=tuple(ns.case or CASES), dtype=ns.dtype, reps=ns.reps,
-                 warmup=ns.warmup)
+                 warmup=ns.warmup, threads=ns.threads)
     copy_gbps, rows = run(cfg)
     print(report(cfg, copy_gbps, rows))
     if ns.json:
