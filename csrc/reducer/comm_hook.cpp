@@ -51,6 +51,16 @@ FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
 
 at::Tensor result_tensor(const c10::IValue& value) {
   if (value.isTensor()) return value.toTensor();
+  if (value.isPyObject()) {  // a Python hook's future (e.g. fut.then(fn) in torch's hooks)
+    py::gil_scoped_acquire gil;
+    py::object obj = torch::jit::toPyObject(value);
+    if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+      py::sequence seq = obj;
+      TORCH_CHECK(seq.size() == 1, "hook future holds ", seq.size(), " values, expected 1");
+      obj = seq[0];
+    }
+    return py::cast<at::Tensor>(obj);
+  }
   if (value.isTensorList()) {
     auto list = value.toTensorVector();
     TORCH_CHECK(list.size() == 1, "bucket future holds ", list.size(), " tensors, expected 1");
