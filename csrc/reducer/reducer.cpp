@@ -11,8 +11,9 @@ namespace pycomm::reducer {
 
 namespace {
 
-// Fires on the first output node backward reaches: stamps the start of backward and
-// installs the finalize callback even when no parameter hook runs first.
+// Fires on the first output node backward reaches: stamps the start of backward. The
+// step itself begins at the first parameter hook, so a backward that reaches no
+// parameter (torch.autograd.grad w.r.t. inputs) leaves the step armed, as torch does.
 class BackwardStartHook final : public torch::autograd::FunctionPreHook {
  public:
   explicit BackwardStartHook(std::weak_ptr<Reducer*> reducer) : reducer_(std::move(reducer)) {}
@@ -184,12 +185,12 @@ void Reducer::find_unused(const std::vector<at::Tensor>& outputs) {
 
 void Reducer::on_backward_start() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ == State::kPrepared) begin_backward_locked();
+  if (state_ == State::kPrepared && backward_start_ns_ < 0) backward_start_ns_ = now_ns();
 }
 
 void Reducer::begin_backward_locked() {
   state_ = State::kBackward;
-  backward_start_ns_ = now_ns();
+  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
   scale_ = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(div_factor_));
   torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
     if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
