@@ -111,8 +111,8 @@ def section_header(collective: str, placements: tuple[str, ...]) -> str:
     for _ in placements:
         names += " " + " ".join(f"{n:>{w}}" for n, _, w in _GROUP)
         units += " " + " ".join(f"{u:>{w}}" for _, u, w in _GROUP)
-    return (f"#\n# {collective}\n#{'':<{lead_width - 1}}{groups}\n#{names[1:]}\n"
-            f"#{units[1:]}")
+    placement_line = f"#{'':<{lead_width - 1}}{groups}".rstrip()
+    return f"#\n# {collective}\n{placement_line}\n#{names[1:]}\n#{units[1:]}"
 
 
 def format_row(row: Row) -> str:
