@@ -24,7 +24,7 @@ from .collectives_run import DTYPE_ALIASES, DTYPES, OPS, Config, run, skipped
 from .report import format_table, write_csv, write_plot
 from .sizes import format_size, parse_size, sweep
 
-DEFAULT_MIN, DEFAULT_MAX = "8", "32M"   # the quick default job: a few seconds on Gloo
+DEFAULT_MIN, DEFAULT_MAX = "8", "16M"   # the quick default job: a few seconds on Gloo
 _MAX_SWEEP_POINTS = 10_000
 # Peak bytes a rank holds for a size-S point (input, output, expected result, the pattern
 # being generated), as a multiple of S.
