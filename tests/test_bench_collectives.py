@@ -54,8 +54,9 @@ def test_every_collective_dtype_op_is_exact(world):
 def _corruption_counted(rank, world_size):
     os.environ[CORRUPT_ENV] = "0"
     cfg = Config(collectives=tuple(COLLECTIVES), sizes=(64,), dtypes=("float32", "int32"),
-                 ops=("sum", "max"), root=0, warmup=0, iters=1, samples=1)
+                 ops=("sum", "max"), root=0, warmup=0, iters=1, samples=1, ranks_avg=True)
     report = run(cfg)
+    assert report.meta.ranks == "avg"
     assert report.wrong > 0
     for row in report.rows:
         for m in row.measures:
