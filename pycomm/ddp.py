@@ -282,6 +282,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the synchronized gradients, as torch.nn.utils.clip_grad_norm_ on them would;
+        each bucket's norm is computed as its collective completes. See pycomm/clip.py."""
+        from .clip import clip_ddp_grad_norm_
+        return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's protocol: hook(state, dist.GradBucket) -> torch.futures.Future[Tensor]."""
         if not callable(hook):
@@ -327,7 +334,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __getstate__(self) -> dict:
         attrs = copy.copy(self.__dict__)
-        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook"):
+        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook", "_bucket_norms"):
             attrs.pop(key, None)
         return attrs
 

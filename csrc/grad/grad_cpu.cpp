@@ -28,6 +28,12 @@ namespace {
 // cores both get work on a 1 MiB gradient bucket.
 constexpr int64_t kReduceChunk = 1 << 16;
 
+// Chunks per parallel task of the list ops: work under 4M elements (16 MiB of fp32) stays
+// on the calling thread. A parallel region costs a barrier, and on a shared, oversubscribed
+// host a barrier waits for a descheduled worker (measured: ~20 ms stalls at load 12 on 2
+// cores), while one core already streams a cache-resident 4 MiB in ~0.1 ms.
+constexpr int64_t kParallelGrainChunks = 64;
+
 template <typename T>
 at::opmath_type<T> sum_squares_chunk(const T* p, int64_t n) {
   using Acc = at::opmath_type<T>;
@@ -80,7 +86,7 @@ void norm_partial_chunks(const SpanList& l, NormKind kind, double p, double* out
   const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
   std::vector<double> acc(static_cast<size_t>(chunks), 0.0), nf(static_cast<size_t>(chunks), 0.0);
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t lo = c * kReduceChunk;
       for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk), [&](size_t s, int64_t off, int64_t n) {
@@ -132,7 +138,7 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& factor) {
   for (size_t i : strided) tensors[i].mul_(factor);
   const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
     for_each_piece(l, begin * kReduceChunk, std::min(l.total(), end * kReduceChunk),
                    [&](size_t s, int64_t off, int64_t n) {
       const Span& sp = l.spans[s];
@@ -159,7 +165,7 @@ void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
   }
   const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (la.total() + kReduceChunk - 1) / kReduceChunk;
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
     for_each_piece(la, begin * kReduceChunk, std::min(la.total(), end * kReduceChunk),
                    [&](size_t s, int64_t off, int64_t n) {
       const Span &a = la.spans[s], &g = lg.spans[s];
