@@ -111,7 +111,6 @@ def run_model(cfg: Config, name: str) -> list[Result]:
 
 
 def run(cfg: Config) -> list[Result]:
-    torch.set_num_threads(cfg.threads)
     return [r for name in cfg.models for r in run_model(cfg, name)]
 
 
@@ -132,18 +131,9 @@ def format_results(cfg: Config, results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def _body(args: tuple[Config, str | None]) -> None:
-    cfg, json_path = args
+def _body(cfg: Config) -> tuple[str, list[Result]]:
     results = run(cfg)
-    if dist.get_rank() != 0:
-        return
-    print(format_results(cfg, results), flush=True)
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"config": dataclasses.asdict(cfg), "torch": torch.__version__,
-                       "world": dist.get_world_size(), "backend": dist.get_backend(),
-                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
+    return format_results(cfg, results), results
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -161,5 +151,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(ns: argparse.Namespace) -> int:
     cfg = Config(tuple(ns.models.split(",")), ns.bucket_cap_mb, ns.warmup, ns.reps, ns.steps,
                  ns.threads)
-    common.launch(_body, (cfg, ns.json), ns.nproc, ns.backend or common.default_backend())
+    backend = ns.backend or common.default_backend(ns.nproc)
+    text, results = common.launch(_body, cfg, ns.nproc, backend, timeout_s=3600.0,
+                                  threads=cfg.threads)
+    print(text, flush=True)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"config": dataclasses.asdict(cfg), "torch": torch.__version__,
+                       "world": ns.nproc, "backend": backend,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
     return 0
