@@ -176,6 +176,15 @@ def _graph_features(rank, world_size):
             scaler.step(opt)
             scaler.update()
     assert_same(*models, "autocast+GradScaler", exact=True)
+    view = pycomm.DistributedDataParallel(build("mlp"), gradient_as_bucket_view=True)
+    loss_of(view(make_input("mlp", rank, 0))).backward()
+    for i, p in enumerate(view.module.parameters()):  # param.grad IS the bucket slot
+        assert p.grad.data_ptr() == view.reducer.grad_view(i).data_ptr()
+    branchy = pycomm.DistributedDataParallel(build("branchy"), find_unused_parameters=True)
+    loss_of(branchy(make_input("mlp", rank, 0))).backward()
+    tl = branchy.timelines(1)[-1]
+    unused = {n: t for n, t in zip(tl["param_names"], tl["param_ready_ns"]) if t < 0}
+    assert set(unused) == {"b.weight", "b.bias", "unused.weight", "unused.bias"}, unused
     bn = pycomm.DistributedDataParallel(build("convbn"))
     with torch.no_grad():
         bn.module.bn.running_mean.fill_(float(rank))
