@@ -277,7 +277,10 @@ void Reducer::launch_ready_buckets() {
   }
   if (next_launch_ == buckets_.size() && track_used_) {
     // Usage is summed across ranks after the last bucket (see Note [Bucket order]).
-    at::Tensor used = local_used_.clone().to(buckets_.front()->buffer.device());
+    // On an accelerator: a pinned, non-blocking copy, so backward never waits for it.
+    const c10::Device device = buckets_.front()->buffer.device();
+    at::Tensor used = local_used_.clone();
+    if (!device.is_cpu()) used = used.pin_memory().to(device, /*non_blocking=*/true);
     used_future_ = comm::start_allreduce(pg_, used, c10d::ReduceOp::SUM)->getFuture();
   }
 }
