@@ -8,6 +8,8 @@
 
 namespace pycomm {
 
+void bind_shm(pybind11::module& m);  // csrc/shm/bind.cpp
+
 // A blocking all-reduce issued from C++ on a ProcessGroup handed over from Python: the
 // path pycomm's reducer launches its bucket collectives on.
 void allreduce_(const comm::ProcessGroupPtr& pg, at::Tensor tensor, const std::string& op) {
@@ -23,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_allreduce_", &pycomm::allreduce_, pybind11::arg("process_group"), pybind11::arg("tensor"),
         pybind11::arg("op") = "sum",
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
+  pycomm::bind_shm(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA
       true
