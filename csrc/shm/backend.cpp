@@ -12,7 +12,7 @@ namespace pycomm::shm {
 
 namespace {
 
-constexpr size_t kSlotBytes = 1 << 20;     // per round and rank; two slots per rank
+constexpr size_t kSlotBytes = 4 << 20;     // per round and rank; two slots per rank
 constexpr size_t kMailboxBytes = 256 << 10;  // per ordered pair of ranks (send/recv)
 
 void check_dense(const char* op, const at::Tensor& t) {
