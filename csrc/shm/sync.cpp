@@ -7,6 +7,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <fstream>
 #include <sstream>
@@ -15,9 +16,13 @@ namespace pycomm::shm {
 
 namespace {
 
-// Long enough to catch a peer running on another core (a round trip is a few µs), short
-// enough that a rank sharing its core with the peer gives the core up quickly.
-constexpr auto kSpin = std::chrono::microseconds(30);
+// Note [Adaptive spin]
+// Spinning pays when the awaited rank runs on another core (it arrives within a few µs)
+// and wastes the core when it does not (an oversubscribed or busy machine). The spin
+// budget doubles (up to kMaxSpin) each time a spin succeeds and halves each time it runs
+// out, down to kMinSpin: a lone check that still notices when the peers are back on cores.
+constexpr int64_t kMaxSpinNs = 30'000;
+constexpr int64_t kMinSpinNs = 500;
 // How often a sleeping rank wakes to check the deadline and whether its peer still lives.
 constexpr auto kSlice = std::chrono::milliseconds(20);
 constexpr int kSpinsPerClockRead = 64;
@@ -76,13 +81,19 @@ void Sync::publish(Signal& signal, uint32_t value) {
 }
 
 bool Sync::spin_until(const Signal& signal, uint32_t target) const {
-  auto stop = Clock::now() + kSpin;
+  auto stop = Clock::now() + std::chrono::nanoseconds(spin_ns_);
   while (true) {
     for (int i = 0; i < kSpinsPerClockRead; ++i) {
-      if (reached(signal.value.load(std::memory_order_acquire), target)) return true;
+      if (reached(signal.value.load(std::memory_order_acquire), target)) {
+        spin_ns_ = std::min(kMaxSpinNs, spin_ns_ * 2);
+        return true;
+      }
       cpu_relax();
     }
-    if (Clock::now() >= stop) return false;
+    if (Clock::now() >= stop) {
+      spin_ns_ = std::max(kMinSpinNs, spin_ns_ / 2);
+      return false;
+    }
   }
 }
 

@@ -1,4 +1,4 @@
-// Waiting on another rank's Signal: a brief spin, then FUTEX_WAIT in time slices, each
+// Waiting on another rank's Signal: a brief adaptive spin, then FUTEX_WAIT in time slices, each
 // slice bounded by the operation's deadline and followed by a liveness check of the rank
 // waited for. Every wait either returns or throws c10::DistBackendError naming the
 // operation and the rank; nothing here loops without sleeping.
@@ -46,6 +46,7 @@ class Sync {
 
   const Segment& segment_;
   bool spin_;
+  mutable int64_t spin_ns_ = 30'000;  // See Note [Adaptive spin]; one op at a time uses it
 };
 
 // Throw c10::DistBackendError with "pycomm <op> (...)" in front of `what`.

@@ -7,13 +7,21 @@
 
 namespace pycomm::shm {
 
+namespace {
+
+const c10::TypePtr& tensor_list_type() {
+  static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
+  return type;
+}
+
+}  // namespace
+
 ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
                  std::shared_ptr<Executor> executor)
     : c10d::Work(rank, type),
       outputs_(std::move(outputs)),
       executor_(std::move(executor)),
-      future_(c10::make_intrusive<c10::ivalue::Future>(
-          c10::ListType::create(c10::TensorType::get()))) {}
+      future_(c10::make_intrusive<c10::ivalue::Future>(tensor_list_type())) {}
 
 bool ShmWork::wait(std::chrono::milliseconds timeout) {
   executor_->help(this);
