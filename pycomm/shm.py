@@ -16,6 +16,7 @@ import os
 import secrets
 import socket
 
+import torch
 import torch.distributed as dist
 
 from . import _C
@@ -23,6 +24,7 @@ from . import _C
 BACKEND_NAME = "pycomm"
 
 _SEGMENT_KEY = "pycomm/shm/segment"
+_SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _HOST_KEY = "pycomm/shm/host/{}"
 _MAPPED_KEY = "pycomm/shm/mapped/{}"
 
@@ -77,3 +79,31 @@ def register() -> None:
     """Make `dist.init_process_group("pycomm")` available (idempotent)."""
     if BACKEND_NAME not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+
+
+def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A "pycomm" group over the ranks of `group` (a CPU-only Gloo group), or None when
+    that would not help: one rank, another backend, or ranks on several hosts. Collective
+    over `group` the first time; the answer is cached per group."""
+    if group.group_name in _SAME_HOST_GROUPS:
+        return _SAME_HOST_GROUPS[group.group_name]
+    answer = None
+    size = dist.get_world_size(group)
+    if dist.get_backend(group) == BACKEND_NAME:
+        answer = group
+    elif dist.get_backend(group) == "gloo" and size > 1:
+        hosts: list[str | None] = [None] * size
+        dist.all_gather_object(hosts, host_identity(), group=group)
+        if len(set(hosts)) == 1:
+            answer = dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
+                                    timeout=_group_timeout(group),
+                                    use_local_synchronization=True)
+    _SAME_HOST_GROUPS[group.group_name] = answer
+    return answer

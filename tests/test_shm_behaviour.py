@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import pycomm.shm
 from multirank import run_ranks
 
 
@@ -135,3 +136,24 @@ def _torch_ddp(rank, world):
 
 def test_torch_ddp_matches_gloo():
     run_ranks(_torch_ddp, world_size=2, backend="pycomm")
+
+
+def _same_host_groups(rank, world):
+    group = pycomm.shm.same_host_group(dist.group.WORLD)
+    assert dist.get_backend(group) == "pycomm"
+    assert pycomm.shm.same_host_group(dist.group.WORLD) is group  # cached, no new group
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((3,), float(world)))
+    pair = dist.new_group([0, 1])
+    if rank < 2:  # built by the members only
+        t = torch.ones(3)
+        dist.all_reduce(t, group=pycomm.shm.same_host_group(pair))
+        assert torch.equal(t, torch.full((3,), 2.0))
+    if rank == 1:
+        pycomm.shm.host_identity = lambda: "elsewhere/boot"
+    assert pycomm.shm.same_host_group(dist.new_group()) is None  # two "hosts": keep Gloo
+
+
+def test_same_host_group_over_gloo():
+    run_ranks(_same_host_groups, world_size=3, backend="gloo")
