@@ -14,7 +14,7 @@ from multirank import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,
           torch.int64]
-# 0 and 1 element, odd, and one over a 4 MiB slot for float32 and up (several rounds, the
+# 0 and 1 element, odd, and one over a 1 MiB slot for every dtype (several rounds, the
 # parallel-reduction path, a short last round).
 SIZES = [0, 1, 7, 1_100_001]
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,

@@ -12,7 +12,9 @@ namespace pycomm::shm {
 
 namespace {
 
-constexpr size_t kSlotBytes = 4 << 20;     // per round and rank; two slots per rank
+// Per round and rank (two slots per rank). Measured at 2 ranks: 1 MiB takes 20% less CPU
+// per byte than 4 MiB from 4 MiB up (the slots stay in cache), within 20% of 256 KiB.
+constexpr size_t kSlotBytes = 1 << 20;
 constexpr size_t kMailboxBytes = 256 << 10;  // per ordered pair of ranks (send/recv)
 
 void check_dense(const char* op, const at::Tensor& t) {
