@@ -36,16 +36,20 @@ def _iters(size: int) -> tuple[int, int]:
     return 1, 3
 
 
-def _time(t: torch.Tensor, group, iters: int, warmup: int) -> float:
+def _time(t: torch.Tensor, group, iters: int, warmup: int) -> tuple[float, float]:
+    """(wall, process CPU) seconds per iteration, max over ranks. CPU time counts every
+    thread of the process (Gloo's I/O threads too) and is what the collective costs a
+    machine whose cores are shared; wall time is what a rank waits."""
     for _ in range(warmup):
         dist.all_reduce(t, group=group)
     dist.barrier(group=group)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(iters):
         dist.all_reduce(t, group=group)
-    elapsed = torch.tensor([(time.perf_counter() - start) / iters], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
+    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu],
+                         dtype=torch.float64) / iters
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX, group=group)
+    return spent[0].item(), spent[1].item()
 
 
 def _check(group, world: int) -> None:
@@ -62,7 +66,7 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) ->
     groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     for g in groups.values():
         _check(g, nproc)
-    rows = []
+    rows, load_before = [], os.getloadavg()
     for size in _SIZES:
         t = torch.ones(size // 4)
         warmup, iters = _iters(size)
@@ -72,10 +76,10 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) ->
                 samples[name].append(_time(t, g, iters, warmup))
         row = {"size": size, "count": size // 4}
         for name, s in samples.items():
-            sec = statistics.median(s)
+            sec = statistics.median(w for w, _ in s)
             algbw = size / sec / 1e9
-            row[name] = {"time_us": sec * 1e6, "algbw": algbw,
-                         "busbw": algbw * 2 * (nproc - 1) / nproc}
+            row[name] = {"time_us": sec * 1e6, "cpu_us": statistics.median(c for _, c in s) * 1e6,
+                         "algbw": algbw, "busbw": algbw * 2 * (nproc - 1) / nproc}
         rows.append(row)
         if rank == 0:
             _print_row(row)
@@ -86,7 +90,8 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) ->
                 "cores": os.cpu_count(), "torch": torch.__version__,
                 "pycomm": pycomm.__version__, "world": nproc, "dtype": "float32",
                 "op": "sum", "reps": reps, "statistic": "median over reps of mean per-iteration "
-                "time, max over ranks", "machine_shared": True, "rows": rows}
+                "time, max over ranks", "machine_shared": True,
+                "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]], "rows": rows}
         with open(out, "w") as f:
             json.dump(meta, f, indent=1)
     dist.destroy_process_group()
@@ -95,7 +100,8 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) ->
 def _print_row(row: dict) -> None:
     p, g = row["pycomm"], row["gloo"]
     print(f"{row['size']:>11} {p['time_us']:>10.1f} {g['time_us']:>10.1f} "
-          f"{g['time_us'] / p['time_us']:>7.1f}x {p['busbw']:>8.3f} {g['busbw']:>8.3f}",
+          f"{g['time_us'] / p['time_us']:>7.1f}x {p['busbw']:>8.3f} {g['busbw']:>8.3f} "
+          f"{p['cpu_us']:>10.1f} {g['cpu_us']:>10.1f} {g['cpu_us'] / p['cpu_us']:>7.1f}x",
           flush=True)
 
 
@@ -107,8 +113,10 @@ def main() -> None:
     ns = ap.parse_args()
     print(f"# all_reduce float32 sum | world {ns.nproc} | reps {ns.reps} | torch "
           f"{torch.__version__} | pycomm {pycomm.__version__}")
-    print(f"#{'size(B)':>10} {'pycomm(us)':>10} {'gloo(us)':>10} {'speedup':>8} "
-          f"{'busbw(GB/s)':>8} {'gloo busbw':>8}")
+    print(f"#{'size(B)':>10} {'pycomm':>10} {'gloo':>10} {'ratio':>8} {'busbw':>8} "
+          f"{'gloo':>8} {'pycomm':>10} {'gloo':>10} {'ratio':>8}")
+    print(f"#{'':>10} {'wall(us)':>10} {'wall(us)':>10} {'':>8} {'(GB/s)':>8} {'(GB/s)':>8} "
+          f"{'cpu(us)':>10} {'cpu(us)':>10} {'':>8}")
     with tempfile.TemporaryDirectory(prefix="pycomm-shm-bench-") as tmp:
         mp.start_processes(_body, nprocs=ns.nproc, start_method="spawn",
                            args=(ns.nproc, os.path.join(tmp, "store"), ns.reps, ns.json))

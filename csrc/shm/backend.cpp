@@ -91,8 +91,6 @@ ShmBackend::ShmBackend(const std::string& name, int rank, int size,
 
 ShmBackend::~ShmBackend() { executor_->shutdown(); }
 
-void ShmBackend::shutdown() { executor_->shutdown(); }
-
 c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType type,
                                                    std::vector<at::Tensor> outputs,
                                                    Body body) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "comm/c10d.h"
 #include "shm/collectives.h"
 #include "shm/work.h"
 
@@ -52,7 +53,9 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  void shutdown() override;
+#if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
+  void shutdown() override { executor_->shutdown(); }
+#endif
 
  private:
   using Body = std::function<void(const OpContext&)>;
