@@ -5,10 +5,10 @@
 #include <torch/extension.h>
 
 #include "comm/c10d.h"
+#include "reducer/bind.h"
+#include "shm/bind.h"
 
 namespace pycomm {
-
-void bind_shm(pybind11::module& m);  // csrc/shm/bind.cpp
 
 // A blocking all-reduce issued from C++ on a ProcessGroup handed over from Python: the
 // path pycomm's reducer launches its bucket collectives on.
@@ -25,6 +25,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_allreduce_", &pycomm::allreduce_, pybind11::arg("process_group"), pybind11::arg("tensor"),
         pybind11::arg("op") = "sum",
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
+  pycomm::bind_reducer(m);
   pycomm::bind_shm(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA

@@ -1,5 +1,7 @@
 // Python face of the shared-memory backend: pycomm._C.ShmBackend, a subclass of torch's
 // c10d Backend type, built by pycomm/shm.py's creator after the store rendezvous.
+#include "shm/bind.h"
+
 #include <torch/csrc/utils/pybind.h>
 
 #include "shm/backend.h"
