@@ -62,6 +62,11 @@ def _send_recv(rank, world):
             dist.recv(got, prv)
             dist.send(msg, nxt)
         assert torch.equal(got, torch.arange(numel, dtype=torch.float64) + prv), numel
+        # Every rank sends before it receives: sends and receives have their own lanes.
+        got = torch.empty(numel, dtype=torch.float64)
+        for req in [dist.isend(msg, nxt), dist.irecv(got, prv)]:
+            req.wait()
+        assert torch.equal(got, torch.arange(numel, dtype=torch.float64) + prv), numel
 
 
 def _behaviour(rank, world_size):

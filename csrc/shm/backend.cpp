@@ -86,32 +86,45 @@ ShmBackend::ShmBackend(const std::string& name, int rank, int size,
   // Spinning pays only when every rank can have a core of its own.
   bool spin = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
   channel_ = std::make_unique<Channel>(std::move(segment), rank, spin);
-  executor_ = std::make_shared<Executor>();
+  collectives_ = std::make_shared<Executor>();
+  sends_ = std::make_shared<Executor>();
+  receives_ = std::make_shared<Executor>();
 }
 
-ShmBackend::~ShmBackend() { executor_->shutdown(); }
+ShmBackend::~ShmBackend() { stop(); }
+
+void ShmBackend::stop() {
+  for (const auto& lane : {collectives_, sends_, receives_}) lane->shutdown();
+}
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType type,
                                                    std::vector<at::Tensor> outputs,
-                                                   Body body) {
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), executor_);
+                                                   Body body, const Lane& lane) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   uint64_t seq = next_seq_++;
-  executor_->submit(work, [this, op, seq, body = std::move(body)] { run(op, seq, body); });
+  lane->submit(work, [this, op, seq, body = std::move(body)] { run(op, seq, body); });
   return work;
 }
 
 void ShmBackend::run(const char* op, uint64_t seq, const Body& body) {
   OpContext ctx{op, seq, rank_, timeout_, Clock::now() + timeout_};
-  if (!failure_.empty()) {
-    throw_op_error(ctx, "the group is unusable after an earlier failure: " + failure_);
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (!failure_.empty()) {
+      throw_op_error(ctx, "the group is unusable after an earlier failure: " + failure_);
+    }
   }
+  auto remember = [this](const std::string& what) {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) failure_ = what;
+  };
   try {
     body(ctx);
   } catch (const c10::Error& e) {
-    failure_ = e.what_without_backtrace();
+    remember(e.what_without_backtrace());
     throw;
   } catch (const std::exception& e) {
-    failure_ = e.what();
+    remember(e.what());
     throw;
   }
 }
@@ -275,7 +288,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::send(std::vector<at::Tensor>& tensors
   return enqueue("send", c10d::OpType::SEND, {t}, [this, t, dst](const OpContext& c) {
     Dense d(t);
     channel_->send(d.data(), d.bytes(), dst, c);
-  });
+  }, sends_);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::recv(std::vector<at::Tensor>& tensors, int src,
@@ -287,7 +300,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::recv(std::vector<at::Tensor>& tensors
     Dense d(t);
     channel_->recv(d.data(), d.bytes(), src, c);
     d.write_back();
-  });
+  }, receives_);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::barrier(const c10d::BarrierOptions&) {

@@ -1,6 +1,8 @@
 // ShmBackend: the c10d::Backend registered as "pycomm". It checks arguments, makes
-// tensors contiguous, and queues each operation on its Executor; the algorithms live in
-// collectives.h. Operations it does not implement raise c10d's "does not support" error.
+// tensors contiguous, and queues each operation on one of three Executors (lanes):
+// collectives, sends, receives. Each lane completes in issue order; sends and receives
+// have their own so that two ranks may both send before they receive. The algorithms live
+// in collectives.h. Operations it does not implement raise c10d's "does not support".
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -9,6 +11,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 
 #include "comm/c10d.h"
@@ -54,23 +57,31 @@ class ShmBackend : public c10d::Backend {
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
 #if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
-  void shutdown() override { executor_->shutdown(); }
+  void shutdown() override { stop(); }
 #endif
 
  private:
   using Body = std::function<void(const OpContext&)>;
-  // Queue `body` as operation `op`; its Work's result() and future hold `outputs`.
+  using Lane = std::shared_ptr<Executor>;
+  // Queue `body` as operation `op` on `lane`; its Work's result() and future hold `outputs`.
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
-                                         std::vector<at::Tensor> outputs, Body body);
+                                         std::vector<at::Tensor> outputs, Body body,
+                                         const Lane& lane);
+  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+                                         std::vector<at::Tensor> outputs, Body body) {
+    return enqueue(op, type, std::move(outputs), std::move(body), collectives_);
+  }
+  void stop();
   void run(const char* op, uint64_t seq, const Body& body);
   c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
                                              const at::Tensor& input);
 
   std::unique_ptr<Channel> channel_;
   std::chrono::milliseconds timeout_;
-  std::shared_ptr<Executor> executor_;
-  uint64_t next_seq_ = 0;
-  std::string failure_;  // set by the first failed operation, read on the executor only
+  Lane collectives_, sends_, receives_;
+  std::atomic<uint64_t> next_seq_{0};
+  std::mutex failure_mutex_;
+  std::string failure_;  // the first failed operation's error: the group is unusable after it
 };
 
 }  // namespace pycomm::shm

@@ -31,6 +31,8 @@ size_t align_down(size_t n, size_t to) { return n / to * to; }
 Channel::Channel(std::unique_ptr<Segment> segment, int rank, bool spin)
     : segment_(std::move(segment)),
       sync_(*segment_, spin),
+      send_sync_(*segment_, spin),
+      recv_sync_(*segment_, spin),
       rank_(rank),
       world_(segment_->world()) {}
 

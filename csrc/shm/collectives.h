@@ -67,7 +67,9 @@ class Channel {
   size_t alltoall_rounds(const Split& send, size_t per_peer, const OpContext& ctx);
 
   std::unique_ptr<Segment> segment_;
-  Sync sync_;
+  Sync sync_;       // collectives
+  Sync send_sync_;  // send and recv run on their own threads (see backend.h)
+  Sync recv_sync_;
   int rank_;
   int world_;
   uint32_t step_ = 0;

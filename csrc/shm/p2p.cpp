@@ -18,7 +18,7 @@ void Channel::send(const char* data, size_t bytes, int dst, const OpContext& ctx
   do {  // at least one chunk, so that an empty message is still matched
     size_t len = std::min(chunk, bytes - off);
     uint32_t sent = mail.sent.value.load(std::memory_order_relaxed);
-    sync_.wait(mail.taken, sent, dst, ctx);
+    send_sync_.wait(mail.taken, sent, dst, ctx);
     std::memcpy(box, data + off, len);
     mail.chunk_bytes.store(len, std::memory_order_relaxed);
     mail.total_bytes.store(bytes, std::memory_order_relaxed);
@@ -33,7 +33,7 @@ void Channel::recv(char* data, size_t bytes, int src, const OpContext& ctx) {
   size_t off = 0;
   do {
     uint32_t taken = mail.taken.value.load(std::memory_order_relaxed);
-    sync_.wait(mail.sent, taken + 1, src, ctx);
+    recv_sync_.wait(mail.sent, taken + 1, src, ctx);
     size_t total = mail.total_bytes.load(std::memory_order_relaxed);
     if (total != bytes) {
       throw_op_error(ctx, "rank " + std::to_string(src) + " sent " + std::to_string(total) +

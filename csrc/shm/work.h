@@ -1,5 +1,5 @@
-// The Work objects of the shared-memory backend and the one worker thread per backend
-// that runs its operations in issue order.
+// The Work objects of the shared-memory backend and the Executor: one worker thread (a
+// lane) running its operations in issue order.
 //
 // Note [Waiting helps]
 // A thread that waits on a Work whose operation has not started yet, while the worker is
