@@ -6,6 +6,7 @@
 
 #include "comm/c10d.h"
 #include "reducer/bind.h"
+#include "shm/bind.h"
 
 namespace pycomm {
 
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
   pycomm::bind_reducer(m);
   pycomm::bind_clip(m);
+  pycomm::bind_shm(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA
       true

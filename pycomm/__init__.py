@@ -8,6 +8,9 @@ from .clip import clip_grad_norm_
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
 from .ops import sum_squares
+from .shm import register as _register_shm_backend
+
+_register_shm_backend()
 
 __all__ = ["DDPConfig", "DistributedDataParallel", "__version__", "clip_grad_norm_",
            "sum_squares"]

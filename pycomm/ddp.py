@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _C
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_join import DDPJoinHook, notify_join
+from .shm import same_host_group
 
 _UNIMPLEMENTED = {  # torch argument -> its value that pycomm implements
     "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
@@ -30,9 +31,12 @@ _UNIMPLEMENTED = {  # torch argument -> its value that pycomm implements
 
 
 def _gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
-    """The group gradient collectives run on: the one place that choice is made (a
-    same-host shared-memory group may be returned here later, issue 7)."""
-    return process_group
+    """The group gradient collectives run on: the one place that choice is made. A Gloo
+    group whose ranks share this host gets a shared-memory "pycomm" group over the same
+    ranks (config.shared_memory_gradients), anything else keeps `process_group`."""
+    if not config.shared_memory_gradients:
+        return process_group
+    return same_host_group(process_group) or process_group
 
 
 def _find_tensors(obj: Any) -> list[torch.Tensor]:
