@@ -1,0 +1,18 @@
+"""Is my communication overlapped? Reports, traces and a network model built on the
+per-step timelines the reducer records (`DistributedDataParallel.step_reports`,
+`export_chrome_trace`, `pycomm-bench ddp --sweep-bucket-cap`).
+
+This package only reads timelines; the reducer records them.
+"""
+
+from .model import AlphaBeta, Sample, fit_alpha_beta, load_collectives_json, relative_errors
+from .replay import Prediction, SimBucket, rebucket, replay
+from .report import BucketRow, StepReport, check_timeline, format_report, step_report
+from .trace import chrome_trace, write_chrome_trace
+
+__all__ = [
+    "AlphaBeta", "BucketRow", "Prediction", "Sample", "SimBucket", "StepReport",
+    "check_timeline", "chrome_trace", "fit_alpha_beta", "format_report",
+    "load_collectives_json", "rebucket", "relative_errors", "replay", "step_report",
+    "write_chrome_trace",
+]
