@@ -17,6 +17,7 @@ from pycomm.overlap import (
     step_report,
 )
 from pycomm.overlap.model import allreduce_bus_factor, latency_steps
+from pycomm.overlap.whatif import format_what_if, what_if
 
 # 1 ms per collective, 1 byte per ns: every hand-computed time below is a whole number of ns.
 HAND = AlphaBeta(alpha_s=1e-3, busbw_Bps=1e9)
@@ -162,3 +163,15 @@ def test_load_collectives_json(tmp_path):
     path.write_text(json.dumps({"rows": [{"size": 8}]}))
     with pytest.raises(ValueError, match="lacks size, time_us or a world size"):
         load_collectives_json(path)
+
+
+def test_what_if_table_replays_every_combination():
+    nets = {"100G": AlphaBeta.from_link(100, 5, "tree"), "hand": HAND}
+    rows = what_if(two_bucket_timeline(), nets, [2, 8], [None, 8_000_000],
+                   param_nbytes=[4_000_000, 2_000_000])
+    assert len(rows) == 2 * 2 * 2
+    hand2 = [r for r in rows if r.network == "hand" and r.world_size == 2]
+    assert [_ms(r.prediction.backward_s) for r in hand2] == [19, 20]  # the examples above
+    text = format_what_if(rows).splitlines()
+    assert len(text) == 2 + 4
+    assert text[2 + 2].split()[0] == "hand" and text[2 + 2].endswith("recorded")

@@ -9,10 +9,11 @@ from .model import AlphaBeta, Sample, fit_alpha_beta, load_collectives_json, rel
 from .replay import Prediction, SimBucket, rebucket, replay
 from .report import BucketRow, StepReport, check_timeline, format_report, step_report
 from .trace import chrome_trace, write_chrome_trace
+from .whatif import WhatIf, format_what_if, what_if
 
 __all__ = [
-    "AlphaBeta", "BucketRow", "Prediction", "Sample", "SimBucket", "StepReport",
-    "check_timeline", "chrome_trace", "fit_alpha_beta", "format_report",
+    "AlphaBeta", "BucketRow", "Prediction", "Sample", "SimBucket", "StepReport", "WhatIf",
+    "check_timeline", "chrome_trace", "fit_alpha_beta", "format_report", "format_what_if",
     "load_collectives_json", "rebucket", "relative_errors", "replay", "step_report",
-    "write_chrome_trace",
+    "what_if", "write_chrome_trace",
 ]
