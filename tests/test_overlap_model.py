@@ -175,3 +175,10 @@ def test_what_if_table_replays_every_combination():
     text = format_what_if(rows).splitlines()
     assert len(text) == 2 + 4
     assert text[2 + 2].split()[0] == "hand" and text[2 + 2].endswith("recorded")
+
+
+def test_reports_and_raw_timelines_replay_alike():
+    raw = two_bucket_timeline()
+    report = step_report(raw)
+    assert report.timeline is raw
+    assert replay(report, HAND, 2) == replay(raw, HAND, 2)

@@ -186,3 +186,8 @@ def test_timeline_picture(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)
     with pytest.raises(RuntimeError, match="pip install matplotlib"):
         plot_timelines([("x", raw)], str(tmp_path / "u.png"))
+
+
+def test_trace_of_reports_equals_trace_of_raw_timelines():
+    raws = [random_timeline(seed=s, rank=s)[0] for s in range(2)]
+    assert chrome_trace([step_report(r) for r in raws]) == chrome_trace(raws)

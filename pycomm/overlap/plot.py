@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .report import step_report
+from .report import StepReport, raw_timeline, step_report
 
 
 def require_matplotlib() -> Any:
@@ -26,8 +26,8 @@ def require_matplotlib() -> Any:
     return plt
 
 
-def _draw_step(ax: Any, title: str, raw: Mapping[str, Any]) -> None:
-    r = step_report(raw)
+def _draw_step(ax: Any, title: str, step: StepReport | Mapping[str, Any]) -> None:
+    r = step_report(raw_timeline(step))
     ms, last = 1e3, r.compute_s * 1e3
     nb = len(r.buckets)
     ax.broken_barh([(0, last)], (nb - 0.4, 0.8), color="tab:blue")
@@ -50,10 +50,12 @@ def _draw_step(ax: Any, title: str, raw: Mapping[str, Any]) -> None:
                  f"exposed {r.exposed_comm_s * ms:.1f} ms, overlap {r.overlap:.0%}", fontsize=10)
 
 
-def plot_timelines(panels: Sequence[tuple[str, Mapping[str, Any]]], path: str) -> str:
-    """Draw each (title, raw timeline) as one panel and save the PNG at `path`."""
+def plot_timelines(panels: Sequence[tuple[str, StepReport | Mapping[str, Any]]], path: str
+                   ) -> str:
+    """Draw each (title, step) as one panel (a StepReport or a raw timeline) and save the
+    PNG at `path`."""
     plt = require_matplotlib()
-    heights = [1.2 + 0.28 * (len(raw["buckets"]) + 1) for _, raw in panels]
+    heights = [1.2 + 0.28 * (len(raw_timeline(step)["buckets"]) + 1) for _, step in panels]
     fig, axes = plt.subplots(len(panels), 1, sharex=True, squeeze=False,
                              figsize=(10, sum(heights) + 0.6),
                              gridspec_kw={"height_ratios": heights})

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .model import AlphaBeta
-from .report import UNUSED, check_timeline, last_ready_ns, union_length
+from .report import UNUSED, StepReport, check_timeline, last_ready_ns, raw_timeline, union_length
 
 _NS = 1e-9
 
@@ -103,12 +103,14 @@ def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int) -> list[SimBu
     return out
 
 
-def replay(raw: Mapping[str, Any], model: AlphaBeta, world_size: int, *,
+def replay(step: StepReport | Mapping[str, Any], model: AlphaBeta, world_size: int, *,
            cap_bytes: Optional[int] = None, first_cap_bytes: Optional[int] = None,
            param_nbytes: Optional[Sequence[int]] = None) -> Prediction:
-    """Predict the step `raw` recorded at `world_size` ranks on `model`'s network, with the
-    recorded buckets or, given `cap_bytes` (and the parameters' sizes), re-cut ones.
-    See Note [Replay rules]. Times are kept in ns internally (the clock's unit)."""
+    """Predict a recorded step (a StepReport or its raw timeline) at `world_size` ranks on
+    `model`'s network, with the recorded buckets or, given `cap_bytes` (and the parameters'
+    sizes), re-cut ones. See Note [Replay rules]. Times are kept in ns internally (the
+    clock's unit)."""
+    raw = raw_timeline(step)
     check_timeline(raw)
     if cap_bytes is not None and param_nbytes is None:
         raise ValueError("replay with cap_bytes needs param_nbytes (each parameter's "

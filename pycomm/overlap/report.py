@@ -21,7 +21,7 @@ and is 1.0 by convention for a step with no communication (nothing was left expo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 _NS = 1e-9
@@ -62,10 +62,17 @@ class StepReport:
     overlap: float  # 1 - exposed / comm, in 0..1
     finalize_s: float
     buckets: tuple[BucketRow, ...]
+    # The raw dict this report was built from: what `replay`, `chrome_trace` and the plots read.
+    timeline: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
+
+
+def raw_timeline(step: StepReport | Mapping[str, Any]) -> Mapping[str, Any]:
+    """The raw dict behind a report (or the raw dict itself)."""
+    return step.timeline if isinstance(step, StepReport) else step
 
 
 def check_timeline(raw: Mapping[str, Any]) -> None:
@@ -144,7 +151,8 @@ def step_report(raw: Mapping[str, Any]) -> StepReport:
         backward_s=(raw["finalize_end_ns"] - t0) * _NS, compute_s=(last - t0) * _NS,
         comm_s=comm_ns * _NS, exposed_comm_s=exposed_ns * _NS,
         overlap=1.0 - exposed_ns / comm_ns if comm_ns > 0 else 1.0,
-        finalize_s=(raw["finalize_end_ns"] - raw["finalize_start_ns"]) * _NS, buckets=rows)
+        finalize_s=(raw["finalize_end_ns"] - raw["finalize_start_ns"]) * _NS, buckets=rows,
+        timeline=raw)
 
 
 def format_report(r: StepReport) -> str:

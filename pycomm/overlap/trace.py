@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from .report import check_timeline, last_ready_ns
+from .report import StepReport, check_timeline, last_ready_ns, raw_timeline
 
 _BACKWARD_TID = 0  # bucket k's track is tid k + 1
 
@@ -75,14 +75,17 @@ def _track_names(timelines: Sequence[Mapping[str, Any]]) -> list[dict]:
     return events
 
 
-def chrome_trace(timelines: Sequence[Mapping[str, Any]], align: str = "clock") -> dict:
-    """The trace (a JSON-ready dict) of raw timelines from one or several ranks.
+def chrome_trace(steps: Sequence[StepReport | Mapping[str, Any]], align: str = "clock"
+                 ) -> dict:
+    """The trace (a JSON-ready dict) of recorded steps (StepReports or raw timelines) from
+    one or several ranks.
 
     align: "clock" keeps the shared monotonic clock (ranks on one host); "step" shifts each
     rank so that its first recorded step starts at 0 (ranks on different hosts).
     """
     if align not in ("clock", "step"):
         raise ValueError(f"align must be 'clock' or 'step', got {align!r}")
+    timelines = [raw_timeline(s) for s in steps]
     for raw in timelines:
         check_timeline(raw)
     starts: dict[int, int] = {}
@@ -98,17 +101,18 @@ def chrome_trace(timelines: Sequence[Mapping[str, Any]], align: str = "clock") -
             "otherData": {"producer": "pycomm.overlap", "clock": align}}
 
 
-def write_chrome_trace(path: str | os.PathLike, timelines: Sequence[Mapping[str, Any]], *,
+def write_chrome_trace(path: str | os.PathLike, steps: Sequence[StepReport | Mapping[str, Any]],
+                       *,
                        all_ranks: bool = False, group: Any = None, align: str = "clock"
                        ) -> Optional[str]:
-    """Write the trace of `timelines` to `path`; return the path written, or None on ranks
-    that did not write.
+    """Write the trace of `steps` (StepReports or raw timelines) to `path`; return the path
+    written, or None on ranks that did not write.
 
     With all_ranks=True this is a collective over `group` (default: the world): every rank
     must call it; the group's rank 0 gathers every rank's timelines (dist.gather_object)
     and writes one merged file.
     """
-    timelines = list(timelines)
+    timelines = [dict(raw_timeline(s)) for s in steps]
     if all_ranks:
         import torch.distributed as dist
 
