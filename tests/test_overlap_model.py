@@ -160,6 +160,15 @@ def test_load_collectives_json(tmp_path):
     path = tmp_path / "c.json"
     path.write_text(json.dumps(doc))
     assert load_collectives_json(path) == [Sample(1024, 250e-6, 3), Sample(1 << 20, 900e-6, 3)]
+    bench = {"schema": "pycomm-bench/collectives/1", "meta": {"world": 2}, "rows": [
+        {"collective": "all_reduce", "size": 64, "type": "float", "redop": "sum",
+         "measures": [{"placement": "in-place", "time_us": 300.0}]},
+        {"collective": "all_reduce", "size": 64, "type": "float", "redop": "max",
+         "measures": [{"placement": "in-place", "time_us": 310.0}]},
+        {"collective": "all_reduce", "size": 64, "type": "half", "redop": "sum",
+         "measures": [{"placement": "in-place", "time_us": 320.0}]}]}
+    path.write_text(json.dumps(bench))
+    assert load_collectives_json(path) == [Sample(64, 300e-6, 2)]
     path.write_text(json.dumps({"rows": [{"size": 8}]}))
     with pytest.raises(ValueError, match="lacks size, time_us or a world size"):
         load_collectives_json(path)

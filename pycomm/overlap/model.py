@@ -124,31 +124,45 @@ def relative_errors(model: AlphaBeta, samples: Iterable[Sample]) -> list[float]:
 def _rows_of(doc: Any) -> tuple[list, Any]:
     if isinstance(doc, list):
         return doc, None
+    meta = doc.get("meta", doc)
     for key in ("rows", "results"):
         if isinstance(doc.get(key), list):
-            return doc[key], doc.get("world_size", doc.get("world"))
+            return doc[key], meta.get("world_size", meta.get("world"))
     raise ValueError("no 'rows' or 'results' list in the collectives JSON")
+
+
+_FLOAT32 = (None, "float", "float32")
+
+
+def _time_us(row: dict) -> Any:
+    """The row's time: flat ("time_us") or per placement ("measures", in-place preferred:
+    the reducer all-reduces its buckets in place)."""
+    measures = row.get("measures")
+    if not measures:
+        return row.get("time_us")
+    chosen = next((m for m in measures if m.get("placement") == "in-place"), measures[0])
+    return chosen.get("time_us")
 
 
 def load_collectives_json(path: str | os.PathLike, world_size: int | None = None
                           ) -> list[Sample]:
-    """All-reduce samples from a `pycomm-bench collectives --json` file.
+    """Float32 sum all-reduce samples from a `pycomm-bench collectives --json` file.
 
-    Each row needs the size in bytes ("size") and a time in microseconds ("time_us", or
-    the out-of-place "oop_time_us"); rows of other collectives are skipped. The world size
-    comes from the file, or from `world_size` when the file does not say.
+    A row needs its size in bytes ("size") and a time in microseconds ("time_us", or per
+    placement under "measures"); rows of other collectives, dtypes or ops are skipped. The
+    world size comes from the file ("world" in "meta"), or `world_size` when it does not say.
     """
     with open(path) as f:
         rows, file_world = _rows_of(json.load(f))
     samples = []
     for row in rows:
-        if row.get("collective", row.get("op_name", "all_reduce")) != "all_reduce":
+        if (row.get("collective", "all_reduce") != "all_reduce" or row.get("type") not in _FLOAT32
+                or row.get("redop", "sum") != "sum"):
             continue
-        time_us = row.get("time_us", row.get("oop_time_us"))
-        n = row.get("world_size", file_world or world_size)
+        time_us, n = _time_us(row), row.get("world_size", file_world or world_size)
         if time_us is None or "size" not in row or n is None:
             raise ValueError(f"{os.fspath(path)}: row {row} lacks size, time_us or a world size")
         samples.append(Sample(nbytes=int(row["size"]), seconds=time_us * 1e-6, world_size=int(n)))
     if not samples:
-        raise ValueError(f"{os.fspath(path)}: no all_reduce rows")
+        raise ValueError(f"{os.fspath(path)}: no float32 sum all_reduce rows")
     return samples

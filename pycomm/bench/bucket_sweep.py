@@ -1,0 +1,198 @@
+"""`pycomm-bench ddp --sweep-bucket-cap`: step time, exposed communication and overlap per
+bucket cap, the cap to use, and a picture of one step with torch-sized buckets next to one
+with the recommended cap.
+
+Caps run side by side (round-robin, each over its own copy of the same model), so a noisy
+machine slows them all alike; each figure is the median over steps of the slowest rank.
+The torch-sized step is also replayed through an alpha-beta model of this machine's network
+(fitted by a quick all-reduce sweep, see pycomm/overlap/model.py) at every cap, so the
+model's prediction sits beside each measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..overlap import AlphaBeta, Sample, StepReport, fit_alpha_beta, replay
+
+MIB = 1 << 20
+TORCH_CAP_MB = 25.0  # torch's DDP default (with its 1 MiB first bucket)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    caps_mb: tuple[float, ...] = (1.0, 4.0, 25.0, 100.0)
+    rounds: int = 4
+    steps: int = 3  # per cap per round
+    warmup: int = 2
+    plot: Optional[str] = "bucket_sweep.png"
+    json: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CapResult:
+    cap_mb: float
+    buckets: int
+    step_s: float
+    backward_s: float
+    comm_s: float
+    exposed_comm_s: float
+    overlap: float
+    predicted_backward_s: float
+    predicted_exposed_comm_s: float
+
+
+@dataclass(frozen=True)
+class SweepResult:
+    world_size: int
+    network: AlphaBeta
+    rows: tuple[CapResult, ...]
+    recommended_mb: float
+
+
+def fit_network(sizes: Sequence[int] = tuple(4 << (2 * k) for k in range(2, 12)),
+                iters: int = 3) -> AlphaBeta:
+    """Fit this group's all-reduce (median of `iters` timed calls per size, slowest rank)."""
+    samples = []
+    for nbytes in sizes:
+        t = torch.ones(nbytes // 4)
+        dist.all_reduce(t)
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        samples.append(Sample(nbytes, worst.item(), dist.get_world_size()))
+    return fit_alpha_beta(samples)
+
+
+def _slowest(values: Sequence[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _median_step(reports: Sequence[StepReport]) -> StepReport:
+    return sorted(reports, key=lambda r: r.backward_s)[len(reports) // 2]
+
+
+def _measure(cfg: SweepConfig, wrappers: dict, step_fn: Callable[[Any], float]
+             ) -> dict[float, tuple[list[float], list[StepReport]]]:
+    out = {cap: ([], []) for cap in wrappers}
+    for w in wrappers.values():
+        for _ in range(cfg.warmup):
+            step_fn(w)
+    for _ in range(cfg.rounds):
+        for cap, w in wrappers.items():
+            times, reports = out[cap]
+            times += [step_fn(w) for _ in range(cfg.steps)]
+            reports += w.step_reports(cfg.steps)
+    return out
+
+
+def _row(cap: float, times: list[float], reports: list[StepReport], torch_step: StepReport,
+         network: AlphaBeta, param_nbytes: list[int]) -> CapResult:
+    steps = _slowest(times)
+    bwd = _slowest([r.backward_s for r in reports])
+    comm = _slowest([r.comm_s for r in reports])
+    exposed = _slowest([r.exposed_comm_s for r in reports])
+    overlap = [1.0 - e / c if c > 0 else 1.0 for e, c in zip(exposed, comm)]
+    pred = replay(torch_step, network, dist.get_world_size(), cap_bytes=int(cap * MIB),
+                  first_cap_bytes=MIB if cap == TORCH_CAP_MB else None,
+                  param_nbytes=param_nbytes)
+    return CapResult(cap, len(reports[-1].buckets), statistics.median(steps),
+                     statistics.median(bwd), statistics.median(comm), statistics.median(exposed),
+                     statistics.median(overlap), pred.backward_s, pred.exposed_comm_s)
+
+
+def run(cfg: SweepConfig, build: Callable[[float], Any], step_fn: Callable[[Any], float],
+        param_nbytes: Callable[[Any, StepReport], list[int]]) -> tuple[SweepResult, dict]:
+    """Measure every cap. `build(cap_mb)` returns a wrapped model with `step_reports(n)`,
+    `step_fn(wrapper)` runs and times one training step, `param_nbytes(wrapper, report)`
+    gives each recorded parameter's gradient bytes. Returns the result and, per cap, the
+    median step of this rank (for pictures)."""
+    network = fit_network()
+    caps = sorted(set(cfg.caps_mb) | {TORCH_CAP_MB})
+    wrappers = {cap: build(cap) for cap in caps}
+    measured = _measure(cfg, wrappers, step_fn)
+    torch_step = _median_step(measured[TORCH_CAP_MB][1])
+    nbytes = param_nbytes(wrappers[TORCH_CAP_MB], torch_step)
+    rows = tuple(_row(cap, *measured[cap], torch_step, network, nbytes) for cap in caps)
+    best = min(rows, key=lambda r: r.step_s)
+    result = SweepResult(dist.get_world_size(), network, rows, best.cap_mb)
+    return result, {cap: _median_step(measured[cap][1]) for cap in caps}
+
+
+def format_result(result: SweepResult) -> str:
+    torch_row = next(r for r in result.rows if r.cap_mb == TORCH_CAP_MB)
+    best = next(r for r in result.rows if r.cap_mb == result.recommended_mb)
+    net = result.network
+    lines = [f"# network fit: alpha {net.alpha_s * 1e6:.0f} us, busbw "
+             f"{net.busbw_Bps / 1e9:.2f} GB/s | ranks: slowest | medians over steps",
+             f"#{'cap':>7} {'buckets':>8} {'step':>8} {'backward':>9} {'comm':>8} "
+             f"{'exposed':>8} {'overlap':>8} {'pred bwd':>9} {'pred exp':>9}",
+             f"#{'(MiB)':>7} {'':>8} {'(ms)':>8} {'(ms)':>9} {'(ms)':>8} {'(ms)':>8} {'':>8} "
+             f"{'(ms)':>9} {'(ms)':>9}"]
+    for r in result.rows:
+        lines.append(f"{r.cap_mb:>8g} {r.buckets:>8} {r.step_s * 1e3:>8.1f} "
+                     f"{r.backward_s * 1e3:>9.1f} {r.comm_s * 1e3:>8.1f} "
+                     f"{r.exposed_comm_s * 1e3:>8.1f} {r.overlap:>8.0%} "
+                     f"{r.predicted_backward_s * 1e3:>9.1f} "
+                     f"{r.predicted_exposed_comm_s * 1e3:>9.1f}")
+    lines.append(f"# recommended bucket cap: {result.recommended_mb:g} MiB (step "
+                 f"{best.step_s / torch_row.step_s:.3f}x the torch-sized "
+                 f"{TORCH_CAP_MB:g} MiB)")
+    return "\n".join(lines)
+
+
+def report(cfg: SweepConfig, result: SweepResult, steps: dict, title: str) -> None:
+    """Print the table, write the JSON and draw the picture (rank 0)."""
+    print(title)
+    print(format_result(result))
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(asdict(result), f, indent=1)
+    if cfg.plot:
+        _draw(cfg.plot, result, steps)
+
+
+def _draw(path: str, result: SweepResult, steps: dict) -> None:
+    from ..overlap.plot import plot_timelines
+
+    others = sorted((r for r in result.rows if r.cap_mb != TORCH_CAP_MB), key=lambda r: r.step_s)
+    pick = result.recommended_mb if result.recommended_mb != TORCH_CAP_MB else others[0].cap_mb
+    label = "recommended" if pick == result.recommended_mb else "runner-up"
+    try:
+        plot_timelines([(f"torch-sized {TORCH_CAP_MB:g} MiB", steps[TORCH_CAP_MB]),
+                        (f"{label} {pick:g} MiB", steps[pick])], path)
+        print(f"# timeline picture: {path}")
+    except RuntimeError as e:  # matplotlib missing: the table stands on its own
+        print(f"# no picture: {e}")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--sweep-bucket-cap", action="store_true",
+                   help="measure step time, exposed communication and overlap per bucket cap "
+                   "and recommend one")
+    p.add_argument("--caps", type=lambda s: tuple(float(c) for c in s.split(",")),
+                   default=SweepConfig.caps_mb, help="bucket caps to sweep, MiB, comma-separated "
+                   f"(default {','.join(f'{c:g}' for c in SweepConfig.caps_mb)}; "
+                   f"{TORCH_CAP_MB:g} is always included)")
+    p.add_argument("--plot", default=SweepConfig.plot, help="timeline picture (PNG) path; '' for "
+                   "none")
+
+
+def config_from(ns: argparse.Namespace) -> SweepConfig:
+    return SweepConfig(caps_mb=ns.caps, plot=ns.plot or None, json=getattr(ns, "json", None))
+
