@@ -86,7 +86,9 @@ def test_broken_timelines_are_named(corrupt, message):
 
 
 def test_format_report_has_a_row_per_bucket():
-    text = format_report(step_report(two_bucket_timeline()))
+    report = step_report(two_bucket_timeline())
+    text = format_report(report)
+    assert str(report) == text
     assert "overlap 22%" in text and "exposed 7.00 ms" in text
     assert len(text.splitlines()) == 2 + 2
 

@@ -69,6 +69,9 @@ class StepReport:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
 
+    def __str__(self) -> str:
+        return format_report(self)
+
 
 def raw_timeline(step: StepReport | Mapping[str, Any]) -> Mapping[str, Any]:
     """The raw dict behind a report (or the raw dict itself)."""
