@@ -11,6 +11,7 @@ from pycomm.overlap import (
     Sample,
     fit_alpha_beta,
     load_collectives_json,
+    param_nbytes_from,
     rebucket,
     relative_errors,
     replay,
@@ -191,3 +192,11 @@ def test_reports_and_raw_timelines_replay_alike():
     report = step_report(raw)
     assert report.timeline is raw
     assert replay(report, HAND, 2) == replay(raw, HAND, 2)
+
+
+def test_param_nbytes_from_bucket_element_sizes():
+    raw = two_bucket_timeline()  # 4 MB and 2 MB buckets of one parameter each
+    assert param_nbytes_from(raw, [1_000_000, 500_000]) == [4_000_000, 2_000_000]  # fp32
+    assert param_nbytes_from(raw, [2_000_000, 1_000_000]) == [4_000_000, 2_000_000]  # bf16
+    with pytest.raises(ValueError, match="bucket 0: 4000000 bytes is not a whole"):
+        param_nbytes_from(raw, [3_000_000, 500_000])

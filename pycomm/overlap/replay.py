@@ -58,6 +58,24 @@ class Prediction:
     buckets: tuple[SimBucket, ...]
 
 
+def param_nbytes_from(step: StepReport | Mapping[str, Any], numels: Sequence[int]) -> list[int]:
+    """Each recorded parameter's gradient bytes as its bucket holds them (the bucket's
+    element size, which is the reduce dtype's when there is one, times `numels[i]`)."""
+    raw = raw_timeline(step)
+    if len(numels) != len(raw["param_names"]):
+        raise ValueError(f"numels has {len(numels)} entries for {len(raw['param_names'])} "
+                         "recorded parameters")
+    out = [0] * len(numels)
+    for b in raw["buckets"]:
+        elements = sum(numels[i] for i in b["param_indices"])
+        if elements == 0 or b["nbytes"] % elements:
+            raise ValueError(f"bucket {b['index']}: {b['nbytes']} bytes is not a whole "
+                             f"element size times its {elements} elements")
+        for i in b["param_indices"]:
+            out[i] = numels[i] * (b["nbytes"] // elements)
+    return out
+
+
 def rebucket(raw: Mapping[str, Any], param_nbytes: Sequence[int], cap_bytes: int,
              first_cap_bytes: Optional[int] = None) -> list[tuple[int, int, tuple[int, ...]]]:
     """Cut the recorded parameters into new buckets: (ready_ns, nbytes, param_indices) each.
