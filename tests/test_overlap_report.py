@@ -9,7 +9,13 @@ import torch.distributed as dist
 from overlap_timelines import MS, random_timeline, two_bucket_timeline
 
 from multirank import run_ranks
-from pycomm.overlap import chrome_trace, format_report, step_report, write_chrome_trace
+from pycomm.overlap import (
+    chrome_trace,
+    format_report,
+    step_report,
+    step_reports,
+    write_chrome_trace,
+)
 from pycomm.overlap.report import check_timeline, union_length
 
 
@@ -193,3 +199,11 @@ def test_timeline_picture(tmp_path, monkeypatch):
 def test_trace_of_reports_equals_trace_of_raw_timelines():
     raws = [random_timeline(seed=s, rank=s)[0] for s in range(2)]
     assert chrome_trace([step_report(r) for r in raws]) == chrome_trace(raws)
+
+
+def test_step_reports_refuse_when_recording_is_off():
+    raws = [random_timeline(seed=s, step=s)[0] for s in range(3)]
+    assert [r.step for r in step_reports(raws)] == [0, 1, 2]
+    assert step_reports([]) == []
+    with pytest.raises(RuntimeError, match="record_timeline=False"):
+        step_reports(raws, recording=False)

@@ -7,7 +7,14 @@ This package only reads timelines; the reducer records them.
 
 from .model import AlphaBeta, Sample, fit_alpha_beta, load_collectives_json, relative_errors
 from .replay import Prediction, SimBucket, param_nbytes_from, rebucket, replay
-from .report import BucketRow, StepReport, check_timeline, format_report, step_report
+from .report import (
+    BucketRow,
+    StepReport,
+    check_timeline,
+    format_report,
+    step_report,
+    step_reports,
+)
 from .trace import chrome_trace, write_chrome_trace
 from .whatif import WhatIf, format_what_if, what_if
 
@@ -15,5 +22,5 @@ __all__ = [
     "AlphaBeta", "BucketRow", "Prediction", "Sample", "SimBucket", "StepReport", "WhatIf",
     "check_timeline", "chrome_trace", "fit_alpha_beta", "format_report", "format_what_if",
     "load_collectives_json", "param_nbytes_from", "rebucket", "relative_errors", "replay",
-    "step_report", "what_if", "write_chrome_trace",
+    "step_report", "step_reports", "what_if", "write_chrome_trace",
 ]

@@ -158,6 +158,16 @@ def step_report(raw: Mapping[str, Any]) -> StepReport:
         timeline=raw)
 
 
+def step_reports(timelines: Sequence[Mapping[str, Any]], recording: bool = True
+                 ) -> list[StepReport]:
+    """Reports of raw timelines (most recent last, as the reducer returns them); a clear
+    error instead of an empty list when the reducer was told not to record."""
+    if not recording:
+        raise RuntimeError("no step reports: timeline recording is off (record_timeline=False "
+                           "in the DDP config); turn it on to see per-step overlap")
+    return [step_report(raw) for raw in timelines]
+
+
 def format_report(r: StepReport) -> str:
     """A few lines for a terminal: the step's totals, then one row per bucket (ms)."""
     lines = [
