@@ -17,15 +17,17 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from ..overlap import AlphaBeta, Sample, StepReport, fit_alpha_beta, replay
+from ..overlap import AlphaBeta, Sample, StepReport, fit_alpha_beta, param_nbytes_from, replay
+from . import common
 
 MIB = 1 << 20
-TORCH_CAP_MB = 25.0  # torch's DDP default (with its 1 MiB first bucket)
+TORCH_CAP_MB = 25.0  # swept as torch's default layout: a 1 MiB first bucket, then 25 MiB
 
 
 @dataclass(frozen=True)
@@ -87,17 +89,42 @@ def _median_step(reports: Sequence[StepReport]) -> StepReport:
     return sorted(reports, key=lambda r: r.backward_s)[len(reports) // 2]
 
 
-def _measure(cfg: SweepConfig, wrappers: dict, step_fn: Callable[[Any], float]
+class _Trainer:
+    """One cap's copy of the model (same seed as every other cap), wrapped and trained."""
+
+    def __init__(self, cap_mb: float, make_model: Callable[[], nn.Module],
+                 loss_of: Callable[[nn.Module], torch.Tensor]):
+        from .. import DistributedDataParallel
+
+        torch.manual_seed(0)
+        self.ddp = DistributedDataParallel(
+            make_model(), bucket_cap_mb=None if cap_mb == TORCH_CAP_MB else cap_mb)
+        self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-4)
+        self.loss_of = loss_of
+
+    def step(self) -> float:
+        start = time.perf_counter()
+        self.opt.zero_grad()
+        self.loss_of(self.ddp).backward()
+        self.opt.step()
+        return time.perf_counter() - start
+
+    def param_nbytes(self, step: StepReport) -> list[int]:
+        params = dict(self.ddp.module.named_parameters())
+        return param_nbytes_from(step, [params[n].numel() for n in step.timeline["param_names"]])
+
+
+def _measure(cfg: SweepConfig, trainers: dict[float, _Trainer]
              ) -> dict[float, tuple[list[float], list[StepReport]]]:
-    out = {cap: ([], []) for cap in wrappers}
-    for w in wrappers.values():
+    out: dict[float, tuple[list[float], list[StepReport]]] = {cap: ([], []) for cap in trainers}
+    for t in trainers.values():
         for _ in range(cfg.warmup):
-            step_fn(w)
+            t.step()
     for _ in range(cfg.rounds):
-        for cap, w in wrappers.items():
+        for cap, t in trainers.items():
             times, reports = out[cap]
-            times += [step_fn(w) for _ in range(cfg.steps)]
-            reports += w.step_reports(cfg.steps)
+            times += [t.step() for _ in range(cfg.steps)]
+            reports += t.ddp.step_reports(cfg.steps)
     return out
 
 
@@ -116,18 +143,17 @@ def _row(cap: float, times: list[float], reports: list[StepReport], torch_step: 
                      statistics.median(overlap), pred.backward_s, pred.exposed_comm_s)
 
 
-def run(cfg: SweepConfig, build: Callable[[float], Any], step_fn: Callable[[Any], float],
-        param_nbytes: Callable[[Any, StepReport], list[int]]) -> tuple[SweepResult, dict]:
-    """Measure every cap. `build(cap_mb)` returns a wrapped model with `step_reports(n)`,
-    `step_fn(wrapper)` runs and times one training step, `param_nbytes(wrapper, report)`
-    gives each recorded parameter's gradient bytes. Returns the result and, per cap, the
-    median step of this rank (for pictures)."""
+def run(cfg: SweepConfig, make_model: Callable[[], nn.Module],
+        loss_of: Callable[[nn.Module], torch.Tensor]) -> tuple[SweepResult, dict]:
+    """Measure every cap on an initialized group. `make_model()` builds the model (seeded
+    alike for every cap), `loss_of(wrapped)` runs a forward on this rank's batch and returns
+    the loss. Returns the result and, per cap, this rank's median step (for pictures)."""
     network = fit_network()
     caps = sorted(set(cfg.caps_mb) | {TORCH_CAP_MB})
-    wrappers = {cap: build(cap) for cap in caps}
-    measured = _measure(cfg, wrappers, step_fn)
+    trainers = {cap: _Trainer(cap, make_model, loss_of) for cap in caps}
+    measured = _measure(cfg, trainers)
     torch_step = _median_step(measured[TORCH_CAP_MB][1])
-    nbytes = param_nbytes(wrappers[TORCH_CAP_MB], torch_step)
+    nbytes = trainers[TORCH_CAP_MB].param_nbytes(torch_step)
     rows = tuple(_row(cap, *measured[cap], torch_step, network, nbytes) for cap in caps)
     best = min(rows, key=lambda r: r.step_s)
     result = SweepResult(dist.get_world_size(), network, rows, best.cap_mb)
@@ -158,7 +184,8 @@ def format_result(result: SweepResult) -> str:
 
 def report(cfg: SweepConfig, result: SweepResult, steps: dict, title: str) -> None:
     """Print the table, write the JSON and draw the picture (rank 0)."""
-    print(title)
+    print(common.header(f"ddp --sweep-bucket-cap | {title}", warmup=cfg.warmup,
+                        rounds=cfg.rounds, steps=cfg.steps))
     print(format_result(result))
     if cfg.json:
         with open(cfg.json, "w") as f:
@@ -179,6 +206,22 @@ def _draw(path: str, result: SweepResult, steps: dict) -> None:
         print(f"# timeline picture: {path}")
     except RuntimeError as e:  # matplotlib missing: the table stands on its own
         print(f"# no picture: {e}")
+
+
+def _body(args: tuple) -> None:
+    cfg, make_model, loss_of, title = args
+    result, steps = run(cfg, make_model, loss_of)
+    if dist.get_rank() == 0:
+        report(cfg, result, steps, title)
+
+
+def launch(cfg: SweepConfig, make_model: Callable[[], nn.Module],
+           loss_of: Callable[[nn.Module], torch.Tensor], title: str, nproc: int,
+           backend: Optional[str] = None) -> None:
+    """Run the sweep on `nproc` local ranks (or under torchrun); `make_model` and `loss_of`
+    must be module-level functions (they travel to the ranks by name)."""
+    common.launch(_body, (cfg, make_model, loss_of, title), nproc,
+                  backend or common.default_backend())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
