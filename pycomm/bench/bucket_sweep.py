@@ -23,7 +23,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..overlap import AlphaBeta, Sample, StepReport, fit_alpha_beta, param_nbytes_from, replay
+from ..overlap import (
+    AlphaBeta,
+    Sample,
+    StepReport,
+    fit_alpha_beta,
+    load_collectives_json,
+    param_nbytes_from,
+    replay,
+)
 from . import common
 
 MIB = 1 << 20
@@ -38,6 +46,7 @@ class SweepConfig:
     warmup: int = 2
     plot: Optional[str] = "bucket_sweep.png"
     json: Optional[str] = None
+    network: Optional[AlphaBeta] = None  # None: fitted by a quick all-reduce sweep
 
 
 @dataclass(frozen=True)
@@ -148,7 +157,7 @@ def run(cfg: SweepConfig, make_model: Callable[[], nn.Module],
     """Measure every cap on an initialized group. `make_model()` builds the model (seeded
     alike for every cap), `loss_of(wrapped)` runs a forward on this rank's batch and returns
     the loss. Returns the result and, per cap, this rank's median step (for pictures)."""
-    network = fit_network()
+    network = cfg.network or fit_network()
     caps = sorted(set(cfg.caps_mb) | {TORCH_CAP_MB})
     trainers = {cap: _Trainer(cap, make_model, loss_of) for cap in caps}
     measured = _measure(cfg, trainers)
@@ -234,8 +243,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"{TORCH_CAP_MB:g} is always included)")
     p.add_argument("--plot", default=SweepConfig.plot, help="timeline picture (PNG) path; '' for "
                    "none")
+    p.add_argument("--network", metavar="JSON", default=None, help="fit the network model "
+                   "from a `pycomm-bench collectives --json` file instead of a quick sweep")
 
 
 def config_from(ns: argparse.Namespace) -> SweepConfig:
-    return SweepConfig(caps_mb=ns.caps, plot=ns.plot or None, json=getattr(ns, "json", None))
+    network = fit_alpha_beta(load_collectives_json(ns.network)) if ns.network else None
+    return SweepConfig(caps_mb=ns.caps, plot=ns.plot or None, json=getattr(ns, "json", None),
+                       network=network)
 
