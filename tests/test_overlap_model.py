@@ -10,6 +10,7 @@ from pycomm.overlap import (
     AlphaBeta,
     Sample,
     fit_alpha_beta,
+    fit_in_backward,
     load_collectives_json,
     param_nbytes_from,
     rebucket,
@@ -200,3 +201,14 @@ def test_param_nbytes_from_bucket_element_sizes():
     assert param_nbytes_from(raw, [2_000_000, 1_000_000]) == [4_000_000, 2_000_000]  # bf16
     with pytest.raises(ValueError, match="bucket 0: 4000000 bytes is not a whole"):
         param_nbytes_from(raw, [3_000_000, 500_000])
+
+
+def test_fit_in_backward_inverts_the_replay():
+    # Steps that followed a known network exactly (serial collectives): the fit recovers it.
+    truth = AlphaBeta(alpha_s=0.4e-3, busbw_Bps=0.5e9)
+    steps = [random_timeline(seed, comm_ns=lambda n: round(truth.allreduce_s(n, 2) * 1e9))[0]
+             for seed in range(5)]
+    fit = fit_in_backward(steps, world_size=2)
+    # Durations were rounded to the ns: parameters agree to ~1e-6 relative.
+    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-4)
+    assert fit.busbw_Bps == pytest.approx(truth.busbw_Bps, rel=1e-4)

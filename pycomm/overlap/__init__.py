@@ -6,7 +6,14 @@ This package only reads timelines; the reducer records them.
 """
 
 from .model import AlphaBeta, Sample, fit_alpha_beta, load_collectives_json, relative_errors
-from .replay import Prediction, SimBucket, param_nbytes_from, rebucket, replay
+from .replay import (
+    Prediction,
+    SimBucket,
+    fit_in_backward,
+    param_nbytes_from,
+    rebucket,
+    replay,
+)
 from .report import (
     BucketRow,
     StepReport,
@@ -20,7 +27,8 @@ from .whatif import WhatIf, format_what_if, what_if
 
 __all__ = [
     "AlphaBeta", "BucketRow", "Prediction", "Sample", "SimBucket", "StepReport", "WhatIf",
-    "check_timeline", "chrome_trace", "fit_alpha_beta", "format_report", "format_what_if",
+    "check_timeline", "chrome_trace", "fit_alpha_beta", "fit_in_backward", "format_report",
+    "format_what_if",
     "load_collectives_json", "param_nbytes_from", "rebucket", "relative_errors", "replay",
     "step_report", "step_reports", "what_if", "write_chrome_trace",
 ]

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .model import AlphaBeta
+from .model import AlphaBeta, Sample, fit_alpha_beta
 from .report import UNUSED, StepReport, check_timeline, last_ready_ns, raw_timeline, union_length
 
 _NS = 1e-9
@@ -56,6 +56,23 @@ class Prediction:
     overlap: float
     finalize_s: float
     buckets: tuple[SimBucket, ...]
+
+
+def fit_in_backward(steps: Sequence[StepReport | Mapping[str, Any]], world_size: int,
+                    latency: str = "constant") -> AlphaBeta:
+    """The network as recorded steps saw it: alpha-beta fitted to each bucket's service time,
+    done - max(launch, previous bucket's done) (Note [Replay rules] 2, inverted). On a
+    machine where backward's compute competes with communication for the cores this is
+    slower than an idle all-reduce sweep, and it is what a replay of those steps needs."""
+    samples = []
+    for step in steps:
+        free = float("-inf")
+        for b in sorted(raw_timeline(step)["buckets"], key=lambda b: b["index"]):
+            service = b["done_ns"] - max(b["launch_ns"], free)
+            free = max(free, b["done_ns"])
+            if service > 0:
+                samples.append(Sample(b["nbytes"], service * _NS, world_size))
+    return fit_alpha_beta(samples, latency=latency)
 
 
 def param_nbytes_from(step: StepReport | Mapping[str, Any], numels: Sequence[int]) -> list[int]:
