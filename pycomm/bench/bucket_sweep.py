@@ -2,11 +2,12 @@
 bucket cap, the cap to use, and a picture of one step with torch-sized buckets next to one
 with the recommended cap.
 
-Caps run side by side (round-robin, each over its own copy of the same model), so a noisy
-machine slows them all alike; each figure is the median over steps of the slowest rank.
-The torch-sized step is also replayed through an alpha-beta model of this machine's network
-(fitted by a quick all-reduce sweep, see pycomm/overlap/model.py) at every cap, so the
-model's prediction sits beside each measurement.
+Caps run side by side (round-robin, each over its own copy of the same model, seeded
+alike), so a noisy machine slows them all alike; each figure is the median over steps of
+the slowest rank, and the recommendation follows Note [Bucket-cap recommendation] in
+pycomm/overlap/advice.py. A median step of torch's layout is also replayed at every cap
+(pycomm/overlap/replay.py) through the network as those steps saw it, so the model's
+prediction sits beside each measurement (out of sample for every other cap).
 """
 
 from __future__ import annotations
@@ -25,17 +26,27 @@ from torch import nn
 
 from ..overlap import (
     AlphaBeta,
+    Prediction,
     Sample,
     StepReport,
     fit_alpha_beta,
+    fit_in_backward,
     load_collectives_json,
     param_nbytes_from,
     replay,
 )
+from ..overlap.advice import (
+    TORCH_CAP_MB,
+    CapResult,
+    SweepResult,
+    format_sweep,
+    paired,
+    recommend,
+    round_medians,
+)
 from . import common
 
 MIB = 1 << 20
-TORCH_CAP_MB = 25.0  # swept as torch's default layout: a 1 MiB first bucket, then 25 MiB
 
 
 @dataclass(frozen=True)
@@ -47,27 +58,6 @@ class SweepConfig:
     plot: Optional[str] = "bucket_sweep.png"
     json: Optional[str] = None
     network: Optional[AlphaBeta] = None  # None: fitted by a quick all-reduce sweep
-
-
-@dataclass(frozen=True)
-class CapResult:
-    cap_mb: float
-    buckets: int
-    step_s: float
-    backward_s: float
-    comm_s: float
-    exposed_comm_s: float
-    overlap: float
-    predicted_backward_s: float
-    predicted_exposed_comm_s: float
-
-
-@dataclass(frozen=True)
-class SweepResult:
-    world_size: int
-    network: AlphaBeta
-    rows: tuple[CapResult, ...]
-    recommended_mb: float
 
 
 def fit_network(sizes: Sequence[int] = tuple(4 << (2 * k) for k in range(2, 12)),
@@ -137,19 +127,36 @@ def _measure(cfg: SweepConfig, trainers: dict[float, _Trainer]
     return out
 
 
-def _row(cap: float, times: list[float], reports: list[StepReport], torch_step: StepReport,
-         network: AlphaBeta, param_nbytes: list[int]) -> CapResult:
+def _layout(step: StepReport) -> tuple:
+    return tuple(tuple(sorted(b.params)) for b in step.buckets)
+
+
+def _row(cfg: SweepConfig, cap: float, measured: dict, torch_rounds: list[float],
+         prediction: Prediction, same_as: Optional[float]) -> CapResult:
+    times, reports = measured[cap]
     steps = _slowest(times)
     bwd = _slowest([r.backward_s for r in reports])
     comm = _slowest([r.comm_s for r in reports])
     exposed = _slowest([r.exposed_comm_s for r in reports])
     overlap = [1.0 - e / c if c > 0 else 1.0 for e, c in zip(exposed, comm)]
-    pred = replay(torch_step, network, dist.get_world_size(), cap_bytes=int(cap * MIB),
-                  first_cap_bytes=MIB if cap == TORCH_CAP_MB else None,
-                  param_nbytes=param_nbytes)
-    return CapResult(cap, len(reports[-1].buckets), statistics.median(steps),
-                     statistics.median(bwd), statistics.median(comm), statistics.median(exposed),
-                     statistics.median(overlap), pred.backward_s, pred.exposed_comm_s)
+    vs_torch, wins = paired(round_medians(steps, cfg.rounds), torch_rounds)
+    med = statistics.median
+    return CapResult(cap, len(reports[-1].buckets), med(steps), med(bwd), med(comm), med(exposed),
+                     med(overlap), vs_torch, wins, prediction.backward_s,
+                     prediction.exposed_comm_s, same_as)
+
+
+def _predict(cap: float, torch_step: StepReport, network: AlphaBeta, nbytes: list[int]
+             ) -> Prediction:
+    return replay(torch_step, network, dist.get_world_size(), cap_bytes=int(cap * MIB),
+                  first_cap_bytes=MIB if cap == TORCH_CAP_MB else None, param_nbytes=nbytes)
+
+
+def _in_backward(reports: list[StepReport]) -> Optional[AlphaBeta]:
+    try:
+        return fit_in_backward(reports, dist.get_world_size())
+    except ValueError:  # e.g. one bucket size only: no bandwidth to fit
+        return None
 
 
 def run(cfg: SweepConfig, make_model: Callable[[], nn.Module],
@@ -161,41 +168,29 @@ def run(cfg: SweepConfig, make_model: Callable[[], nn.Module],
     caps = sorted(set(cfg.caps_mb) | {TORCH_CAP_MB})
     trainers = {cap: _Trainer(cap, make_model, loss_of) for cap in caps}
     measured = _measure(cfg, trainers)
-    torch_step = _median_step(measured[TORCH_CAP_MB][1])
+    torch_reports = measured[TORCH_CAP_MB][1]
+    torch_step = _median_step(torch_reports)
     nbytes = trainers[TORCH_CAP_MB].param_nbytes(torch_step)
-    rows = tuple(_row(cap, *measured[cap], torch_step, network, nbytes) for cap in caps)
-    best = min(rows, key=lambda r: r.step_s)
-    result = SweepResult(dist.get_world_size(), network, rows, best.cap_mb)
+    in_backward = _in_backward(torch_reports)
+    torch_rounds = round_medians(_slowest(measured[TORCH_CAP_MB][0]), cfg.rounds)
+    layouts: dict[tuple, float] = {}
+    rows = []
+    for cap in caps:
+        same_as = layouts.setdefault(_layout(measured[cap][1][-1]), cap)
+        rows.append(_row(cfg, cap, measured, torch_rounds,
+                         _predict(cap, torch_step, in_backward or network, nbytes),
+                         same_as if same_as != cap else None))
+    best, reason = recommend(rows, cfg.rounds)
+    result = SweepResult(dist.get_world_size(), cfg.rounds, network, in_backward, tuple(rows),
+                         best, reason)
     return result, {cap: _median_step(measured[cap][1]) for cap in caps}
-
-
-def format_result(result: SweepResult) -> str:
-    torch_row = next(r for r in result.rows if r.cap_mb == TORCH_CAP_MB)
-    best = next(r for r in result.rows if r.cap_mb == result.recommended_mb)
-    net = result.network
-    lines = [f"# network fit: alpha {net.alpha_s * 1e6:.0f} us, busbw "
-             f"{net.busbw_Bps / 1e9:.2f} GB/s | ranks: slowest | medians over steps",
-             f"#{'cap':>7} {'buckets':>8} {'step':>8} {'backward':>9} {'comm':>8} "
-             f"{'exposed':>8} {'overlap':>8} {'pred bwd':>9} {'pred exp':>9}",
-             f"#{'(MiB)':>7} {'':>8} {'(ms)':>8} {'(ms)':>9} {'(ms)':>8} {'(ms)':>8} {'':>8} "
-             f"{'(ms)':>9} {'(ms)':>9}"]
-    for r in result.rows:
-        lines.append(f"{r.cap_mb:>8g} {r.buckets:>8} {r.step_s * 1e3:>8.1f} "
-                     f"{r.backward_s * 1e3:>9.1f} {r.comm_s * 1e3:>8.1f} "
-                     f"{r.exposed_comm_s * 1e3:>8.1f} {r.overlap:>8.0%} "
-                     f"{r.predicted_backward_s * 1e3:>9.1f} "
-                     f"{r.predicted_exposed_comm_s * 1e3:>9.1f}")
-    lines.append(f"# recommended bucket cap: {result.recommended_mb:g} MiB (step "
-                 f"{best.step_s / torch_row.step_s:.3f}x the torch-sized "
-                 f"{TORCH_CAP_MB:g} MiB)")
-    return "\n".join(lines)
 
 
 def report(cfg: SweepConfig, result: SweepResult, steps: dict, title: str) -> None:
     """Print the table, write the JSON and draw the picture (rank 0)."""
     print(common.header(f"ddp --sweep-bucket-cap | {title}", warmup=cfg.warmup,
                         rounds=cfg.rounds, steps=cfg.steps))
-    print(format_result(result))
+    print(format_sweep(result))
     if cfg.json:
         with open(cfg.json, "w") as f:
             json.dump(asdict(result), f, indent=1)
@@ -206,11 +201,12 @@ def report(cfg: SweepConfig, result: SweepResult, steps: dict, title: str) -> No
 def _draw(path: str, result: SweepResult, steps: dict) -> None:
     from ..overlap.plot import plot_timelines
 
-    others = sorted((r for r in result.rows if r.cap_mb != TORCH_CAP_MB), key=lambda r: r.step_s)
+    others = sorted((r for r in result.rows if r.cap_mb != TORCH_CAP_MB),
+                    key=lambda r: r.vs_torch)
     pick = result.recommended_mb if result.recommended_mb != TORCH_CAP_MB else others[0].cap_mb
     label = "recommended" if pick == result.recommended_mb else "runner-up"
     try:
-        plot_timelines([(f"torch-sized {TORCH_CAP_MB:g} MiB", steps[TORCH_CAP_MB]),
+        plot_timelines([("torch's layout (1 MiB first bucket, then 25 MiB)", steps[TORCH_CAP_MB]),
                         (f"{label} {pick:g} MiB", steps[pick])], path)
         print(f"# timeline picture: {path}")
     except RuntimeError as e:  # matplotlib missing: the table stands on its own
