@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "comm/c10d.h"
+#include "reducer/bind.h"
 
 namespace pycomm {
 
@@ -23,6 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_allreduce_", &pycomm::allreduce_, pybind11::arg("process_group"), pybind11::arg("tensor"),
         pybind11::arg("op") = "sum",
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
+  pycomm::bind_reducer(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA
       true

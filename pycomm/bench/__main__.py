@@ -11,11 +11,18 @@ from . import collectives
 _COMMANDS = {"collectives": collectives}
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors are one line naming the argument (exit code 2), not the whole usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["collectives", *argv]
-    parser = argparse.ArgumentParser(prog="pycomm-bench", description=__doc__)
+    parser = _Parser(prog="pycomm-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in _COMMANDS.items():
         mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0]))

@@ -1,13 +1,15 @@
 """What every benchmark shares: getting ranks (local spawn or torchrun's env://) and the
-header lines. Benchmarks themselves are `run(config) -> result` on an initialized group."""
+header lines. Benchmarks themselves are `run(config) -> result` on an initialized group;
+`launch` hands rank 0's result back to the caller."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import platform
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,21 +17,40 @@ import torch.multiprocessing as mp
 
 from .._version import __version__
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+# Ranks fork from a server that has imported torch once: several seconds cheaper per run
+# than `spawn` on a small machine, and as clean (no parent threads or CUDA state).
+_START_METHOD = "forkserver"
+_RESULT_FILE = "rank0.pkl"
+
 
 def under_torchrun() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    return all(k in os.environ for k in TORCHRUN_ENV)
 
 
-def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(nproc: int = 1) -> str:
+    """NCCL when there is a GPU for every rank, else Gloo."""
+    return "nccl" if torch.cuda.device_count() >= max(nproc, 1) else "gloo"
 
 
-def _rank_entry(rank: int, body: Callable, nproc: int, backend: str, store_path: str,
-                timeout_s: float, args: Any) -> None:
-    store = dist.FileStore(store_path, nproc)
+def device_of(backend: str) -> torch.device:
+    """The device a rank's buffers live on: its GPU under NCCL, else the CPU."""
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _rank_entry(rank: int, body: Callable, nproc: int, backend: str, tmp: str,
+                timeout_s: float, threads: Optional[int], args: Any) -> None:
+    if threads:
+        torch.set_num_threads(threads)
+    store = dist.FileStore(os.path.join(tmp, "store"), nproc)
     _init(backend, timeout_s, rank=rank, world_size=nproc, store=store)
-    body(args)
+    result = body(args)
     dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(tmp, _RESULT_FILE), "wb") as f:
+            pickle.dump(result, f)
 
 
 def _init(backend: str, timeout_s: float, **kw: Any) -> None:
@@ -38,24 +59,36 @@ def _init(backend: str, timeout_s: float, **kw: Any) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
 
 
-def launch(body: Callable[[Any], None], args: Any, nproc: int, backend: str,
-           timeout_s: float = 300.0) -> None:
-    """Run `body(args)` on every rank: under torchrun in this process, else on `nproc`
-    spawned local ranks rendezvoused through a FileStore in a temp dir."""
+def launch(body: Callable[[Any], Any], args: Any, nproc: int, backend: str,
+           timeout_s: float = 300.0, threads: Optional[int] = 1) -> Any:
+    """Run module-level `body(args)` on every rank and return rank 0's result: under
+    torchrun in this process, else on `nproc` local ranks rendezvoused through a FileStore
+    in a temp dir. `threads` sets torch's intra-op threads per rank (None: torch's default;
+    1 by default, so that local ranks do not fight over the cores)."""
     if under_torchrun():
+        if threads:
+            torch.set_num_threads(threads)
         _init(backend, timeout_s)
-        body(args)
+        result = body(args)
         dist.destroy_process_group()
-        return
+        return result
+    ctx = mp.get_context(_START_METHOD)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", body.__module__])
     with tempfile.TemporaryDirectory(prefix="pycomm-bench-") as tmp:
-        mp.start_processes(_rank_entry, nprocs=nproc, start_method="spawn",
-                           args=(body, nproc, backend, os.path.join(tmp, "store"), timeout_s,
-                                 args))
+        mp.start_processes(_rank_entry, nprocs=nproc, start_method=_START_METHOD,
+                           args=(body, nproc, backend, tmp, timeout_s, threads, args))
+        with open(os.path.join(tmp, _RESULT_FILE), "rb") as f:
+            return pickle.load(f)
+
+
+def device_name(backend: str) -> str:
+    if backend == "nccl":
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def header(title: str, **fields: Any) -> str:
-    device = (torch.cuda.get_device_name() if dist.get_backend() == "nccl"
-              else f"cpu ({platform.processor() or platform.machine()})")
     meta = " | ".join(f"{k} {v}" for k, v in fields.items())
     return (f"# pycomm {__version__} | torch {torch.__version__} | backend {dist.get_backend()}"
-            f" | world {dist.get_world_size()} | {device}\n# {title} | {meta}")
+            f" | world {dist.get_world_size()} | {device_name(dist.get_backend())}\n"
+            f"# {title} | {meta}")

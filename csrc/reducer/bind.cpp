@@ -1,0 +1,125 @@
+// Python face of the C++ reducer: construction, per-step calls from pycomm/ddp.py, comm
+// hooks, the bucket callbacks (see BucketCallback in reducer.h) and the timeline dicts.
+#include "reducer/bind.h"
+
+#include "reducer/reducer.h"
+
+namespace pycomm {
+
+namespace py = pybind11;
+using reducer::Bucket;
+using reducer::Reducer;
+
+namespace {
+
+py::dict timeline_dict(const reducer::StepTimeline& step, const std::vector<std::string>& names) {
+  py::list buckets;
+  for (const auto& b : step.buckets) {
+    py::dict d;
+    d["index"] = b.index;
+    d["nbytes"] = b.nbytes;
+    d["param_indices"] = b.param_indices;
+    d["ready_ns"] = b.ready_ns;
+    d["launch_ns"] = b.launch_ns;
+    d["done_ns"] = b.done_ns;
+    buckets.append(std::move(d));
+  }
+  py::dict d;
+  d["step"] = step.step;
+  d["rank"] = step.rank;
+  d["backward_start_ns"] = step.backward_start_ns;
+  d["param_ready_ns"] = step.param_ready_ns;
+  d["param_names"] = names;
+  d["buckets"] = std::move(buckets);
+  d["finalize_start_ns"] = step.finalize_start_ns;
+  d["finalize_end_ns"] = step.finalize_end_ns;
+  return d;
+}
+
+// A Python callable fn(bucket_index: int, buffer: Tensor) as a BucketCallback. The callable
+// is kept alive by a shared handle released under the GIL.
+reducer::BucketCallback python_bucket_callback(py::function fn) {
+  auto holder = std::shared_ptr<py::function>(new py::function(std::move(fn)), [](py::function* f) {
+    py::gil_scoped_acquire gil;
+    delete f;
+  });
+  return [holder](Bucket& bucket) {
+    py::gil_scoped_acquire gil;
+    try {
+      (*holder)(bucket.index, bucket.buffer);
+    } catch (py::error_already_set& e) {
+      std::string what = e.what();
+      TORCH_CHECK(false, "bucket callback failed on bucket ", bucket.index, ": ", what);
+    }
+  };
+}
+
+std::vector<std::vector<size_t>> bucket_indices(const Reducer& r) {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : r.buckets()) out.push_back(b->params);
+  return out;
+}
+
+py::list zeros_like_grad_buckets(const Reducer& r) {
+  py::list out;
+  for (const auto& b : r.buckets()) {
+    out.append(reducer::make_grad_bucket(*b, r.buckets().size(), r.params(),
+                                         at::zeros_like(b->buffer)));
+  }
+  return out;
+}
+
+}  // namespace
+
+void bind_reducer(py::module& m) {
+  m.def("assign_buckets", &reducer::assign_buckets, py::arg("params"), py::arg("order"),
+        py::arg("byte_limits"),
+        "Greedy bucket assignment of params (in `order`) per (device, dtype); see bucket.h.");
+  py::class_<Reducer>(m, "Reducer", "pycomm's C++ bucketed gradient reducer (see reducer.h)")
+      .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
+                       const std::vector<std::vector<size_t>>& assignment,
+                       const comm::ProcessGroupPtr& pg, bool as_view, bool find_unused,
+                       bool static_graph, bool record_timeline, int64_t timeline_steps,
+                       std::optional<at::ScalarType> reduce_dtype) {
+             reducer::ReducerOptions o{as_view, find_unused, static_graph, record_timeline,
+                                       timeline_steps, reduce_dtype};
+             return std::make_unique<Reducer>(std::move(params), std::move(names), assignment,
+                                              pg, o);
+           }),
+           py::arg("params"), py::arg("names"), py::arg("assignment"), py::arg("process_group"),
+           py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
+           py::arg("static_graph") = false, py::arg("record_timeline") = true,
+           py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt)
+      .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("prepare_no_sync", &Reducer::prepare_no_sync)
+      .def("rebuild_buckets", &Reducer::rebuild_buckets, py::arg("assignment"))
+      .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
+      .def("ready_order", &Reducer::ready_order)
+      .def("bucket_indices", &bucket_indices)
+      .def("grad_view", &Reducer::grad_view, py::arg("index"))
+      .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"))
+      .def("register_comm_hook",
+           [](Reducer& r, py::object state, py::object hook) {
+             r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
+                                                                       std::move(hook)));
+           },
+           py::arg("state"), py::arg("hook"))
+      .def("has_comm_hook", &Reducer::has_python_comm_hook)
+      .def("add_pre_launch",
+           [](Reducer& r, py::function fn) { r.add_pre_launch(python_bucket_callback(std::move(fn))); },
+           py::arg("fn"), "fn(bucket_index, bucket_buffer) before the bucket's collective")
+      .def("add_post_done",
+           [](Reducer& r, py::function fn) { r.add_post_done(python_bucket_callback(std::move(fn))); },
+           py::arg("fn"), "fn(bucket_index, reduced_buffer) when the bucket's collective is done")
+      .def("zeros_like_grad_buckets", &zeros_like_grad_buckets)
+      .def("timelines",
+           [](const Reducer& r, size_t n) {
+             py::list out;
+             for (const auto& step : r.timelines(n)) out.append(timeline_dict(step, r.names()));
+             return out;
+           },
+           py::arg("n") = 1);
+}
+
+}  // namespace pycomm

@@ -1,0 +1,119 @@
+// Bucket assignment and buffer layout (see bucket.h).
+#include "reducer/bucket.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+namespace pycomm::reducer {
+
+namespace {
+
+using Key = std::tuple<c10::DeviceType, c10::DeviceIndex, at::ScalarType>;
+
+Key key_of(const at::Tensor& t) {
+  return {t.device().type(), t.device().index(), t.scalar_type()};
+}
+
+struct OpenBucket {
+  std::vector<size_t> params;
+  int64_t bytes = 0;
+  size_t limit_index = 0;
+};
+
+}  // namespace
+
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
+                                                const std::vector<size_t>& order,
+                                                const std::vector<int64_t>& byte_limits) {
+  TORCH_CHECK_VALUE(!byte_limits.empty(), "assign_buckets: byte_limits is empty");
+  TORCH_CHECK_VALUE(order.size() == params.size(), "assign_buckets: order has ", order.size(),
+                    " entries for ", params.size(), " parameters");
+  std::vector<bool> seen(params.size(), false);
+  std::map<Key, OpenBucket> open;
+  std::vector<std::vector<size_t>> result;
+  for (size_t index : order) {
+    TORCH_CHECK_VALUE(index < params.size() && !seen[index],
+                      "assign_buckets: order is not a permutation (index ", index, ")");
+    seen[index] = true;
+    const at::Tensor& p = params[index];
+    OpenBucket& b = open[key_of(p)];
+    b.params.push_back(index);
+    b.bytes += p.numel() * static_cast<int64_t>(p.element_size());
+    const int64_t limit = byte_limits[std::min(b.limit_index, byte_limits.size() - 1)];
+    if (b.bytes >= limit) {
+      result.push_back(std::move(b.params));
+      b = OpenBucket{{}, 0, b.limit_index + 1};
+    }
+  }
+  for (auto& [key, b] : open) {
+    if (!b.params.empty()) result.push_back(std::move(b.params));
+  }
+  // Launch order = order of each bucket's first parameter in `order`.
+  std::vector<size_t> position(params.size());
+  for (size_t i = 0; i < order.size(); ++i) position[order[i]] = i;
+  std::stable_sort(result.begin(), result.end(), [&](const auto& a, const auto& b) {
+    return position[a.front()] < position[b.front()];
+  });
+  return result;
+}
+
+namespace {
+
+// A view of `buffer` shaped like `param`, with the parameter's strides when it is dense
+// (so a channels-last weight gets a channels-last gradient, as torch's reducer does).
+at::Tensor view_for(const at::Tensor& buffer, const at::Tensor& param, int64_t offset) {
+  if (param.is_non_overlapping_and_dense()) {
+    return buffer.as_strided(param.sizes(), param.strides(), offset);
+  }
+  return buffer.narrow(0, offset, param.numel()).view(param.sizes());
+}
+
+}  // namespace
+
+std::vector<std::unique_ptr<Bucket>> build_buckets(
+    const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+    const std::vector<std::vector<size_t>>& assignment,
+    std::optional<at::ScalarType> reduce_dtype) {
+  std::vector<std::unique_ptr<Bucket>> buckets;
+  std::vector<bool> placed(params.size(), false);
+  for (size_t bi = 0; bi < assignment.size(); ++bi) {
+    const auto& members = assignment[bi];
+    TORCH_CHECK_VALUE(!members.empty(), "bucket ", bi, " is empty");
+    auto bucket = std::make_unique<Bucket>();
+    bucket->index = bi;
+    const at::Tensor& first = params.at(members.front());
+    int64_t total = 0;
+    for (size_t index : members) {
+      TORCH_CHECK_VALUE(index < params.size() && !placed[index], "bucket ", bi,
+                        ": parameter index ", index, " is out of range or in two buckets");
+      placed[index] = true;
+      const at::Tensor& p = params[index];
+      TORCH_CHECK_VALUE(key_of(p) == key_of(first), "bucket ", bi, " mixes devices or dtypes (",
+                        names[index], " is ", p.dtype(), " on ", p.device(), ", ",
+                        names[members.front()], " is ", first.dtype(), " on ", first.device(), ")");
+      bucket->params.push_back(index);
+      bucket->offsets.push_back(static_cast<size_t>(total));
+      bucket->lengths.push_back(static_cast<size_t>(p.numel()));
+      bucket->sizes.push_back(p.sizes());
+      total += p.numel();
+    }
+    // Only low-precision floating buckets are widened (bf16/fp16 grads reduced in fp32).
+    const bool widen = reduce_dtype && at::isReducedFloatingType(first.scalar_type());
+    bucket->buffer = at::zeros({total}, first.options().dtype(widen ? *reduce_dtype
+                                                                    : first.scalar_type()));
+    for (size_t slot = 0; slot < members.size(); ++slot) {
+      bucket->views.push_back(view_for(bucket->buffer, params[members[slot]],
+                                       static_cast<int64_t>(bucket->offsets[slot])));
+    }
+    buckets.push_back(std::move(bucket));
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    TORCH_CHECK_VALUE(placed[i], "parameter ", names[i], " is in no bucket");
+  }
+  return buckets;
+}
+
+}  // namespace pycomm::reducer

@@ -1,0 +1,59 @@
+// Buckets: which parameters share one flat gradient buffer, the buffer itself, and the
+// per-parameter views into it. Owns layout only; readiness, launch and finalize live in
+// reducer.{h,cpp}.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pycomm::reducer {
+
+// torch's DDP starts with a 1 MiB first bucket so that communication begins early.
+constexpr int64_t kDefaultFirstBucketBytes = int64_t{1} << 20;
+constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
+
+using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
+
+// One flat, contiguous buffer holding the gradients of `params` (reducer parameter
+// indices) back to back, in bucket order.
+struct Bucket {
+  size_t index = 0;
+  at::Tensor buffer;
+  std::vector<size_t> params;
+  std::vector<size_t> offsets;        // in elements, per slot
+  std::vector<size_t> lengths;        // numel, per slot
+  std::vector<at::Tensor> views;      // per slot: `buffer` seen with the parameter's shape
+  std::vector<c10::IntArrayRef> sizes;  // per slot, refs to the parameters' sizes
+
+  // Per-step state, reset by Reducer::reset_step.
+  size_t pending = 0;           // gradients still to land
+  FuturePtr future;             // completes with the reduced buffer (after post_done)
+  int64_t ready_ns = -1;
+  int64_t launch_ns = -1;
+  std::atomic<int64_t> done_ns{-1};
+
+  int64_t nbytes() const { return buffer.numel() * static_cast<int64_t>(buffer.element_size()); }
+};
+
+// Greedy assignment in `order` (reducer parameter indices), one open bucket per
+// (device, dtype): a bucket closes once it holds at least its byte limit. The k-th bucket
+// of a key uses byte_limits[k] (the last limit repeats). Buckets are returned in the order
+// their first parameter appears in `order`, which is the launch order.
+std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
+                                                const std::vector<size_t>& order,
+                                                const std::vector<int64_t>& byte_limits);
+
+// Allocate the buffers of `assignment`. A bucket's dtype is the parameters' dtype, or
+// `reduce_dtype` when given (fp32 reduction of low-precision parameters).
+std::vector<std::unique_ptr<Bucket>> build_buckets(
+    const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+    const std::vector<std::vector<size_t>>& assignment,
+    std::optional<at::ScalarType> reduce_dtype);
+
+}  // namespace pycomm::reducer

@@ -1,0 +1,78 @@
+// Bucket reductions (see comm_hook.h).
+#include "reducer/comm_hook.h"
+
+#include <torch/csrc/distributed/c10d/comm.hpp>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+namespace pycomm::reducer {
+
+namespace py = pybind11;
+
+FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
+                                const std::vector<at::Tensor>& /*params*/) {
+  return comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM)->getFuture();
+}
+
+PythonCommHook::PythonCommHook(py::object state, py::object hook)
+    : state_(std::move(state)), hook_(std::move(hook)) {}
+
+PythonCommHook::~PythonCommHook() {
+  py::gil_scoped_acquire gil;
+  state_ = py::object();
+  hook_ = py::object();
+}
+
+py::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
+                            const std::vector<at::Tensor>& params, const at::Tensor& buffer) {
+  std::vector<at::Tensor> members;
+  members.reserve(bucket.params.size());
+  for (size_t index : bucket.params) members.push_back(params[index]);
+  c10d::GradBucket grad_bucket(bucket.index, bucket_count, buffer, bucket.offsets,
+                               bucket.lengths, bucket.sizes, std::move(members), std::nullopt);
+  return py::cast(std::move(grad_bucket));
+}
+
+FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
+                              const std::vector<at::Tensor>& params) {
+  py::gil_scoped_acquire gil;
+  try {
+    py::object result = hook_(state_, make_grad_bucket(bucket, bucket_count, params,
+                                                       bucket.buffer));
+    auto ivalue = torch::jit::toIValue(result, c10::FutureType::create(c10::AnyType::get()));
+    return ivalue.toFuture();
+  } catch (py::error_already_set& e) {
+    std::string what = e.what();
+    TORCH_CHECK(false, "communication hook failed on bucket ", bucket.index, ": ", what);
+  } catch (const py::cast_error&) {
+    TORCH_CHECK(false, "communication hook must return a torch.futures.Future (bucket ",
+                bucket.index, ")");
+  }
+}
+
+at::Tensor result_tensor(const c10::IValue& value) {
+  if (value.isTensor()) return value.toTensor();
+  if (value.isPyObject()) {  // a Python hook's future (e.g. fut.then(fn) in torch's hooks)
+    py::gil_scoped_acquire gil;
+    py::object obj = torch::jit::toPyObject(value);
+    if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
+      py::sequence seq = obj;
+      TORCH_CHECK(seq.size() == 1, "hook future holds ", seq.size(), " values, expected 1");
+      obj = seq[0];
+    }
+    return py::cast<at::Tensor>(obj);
+  }
+  if (value.isTensorList()) {
+    auto list = value.toTensorVector();
+    TORCH_CHECK(list.size() == 1, "bucket future holds ", list.size(), " tensors, expected 1");
+    return list.front();
+  }
+  if (value.isList()) {
+    auto list = value.toListRef();
+    TORCH_CHECK(list.size() == 1 && list[0].isTensor(),
+                "bucket future must hold one tensor, got a list of ", list.size());
+    return list[0].toTensor();
+  }
+  TORCH_CHECK(false, "bucket future must hold a Tensor, got ", value.tagKind());
+}
+
+}  // namespace pycomm::reducer

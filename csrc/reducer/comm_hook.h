@@ -1,0 +1,56 @@
+// How a bucket is reduced: the default sum all-reduce on a c10d::ProcessGroup, or a Python
+// communication hook with torch's protocol (hook(state, dist.GradBucket) ->
+// torch.futures.Future[Tensor]). The reducer owns when; a CommHook owns how.
+#pragma once
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "comm/c10d.h"
+#include "reducer/bucket.h"
+
+namespace pycomm::reducer {
+
+class CommHook {
+ public:
+  virtual ~CommHook() = default;
+  // Start reducing `bucket` (all its gradients are in); the future completes with the
+  // reduced tensor (the bucket's buffer or a new tensor of the same numel).
+  virtual FuturePtr run(Bucket& bucket, size_t bucket_count,
+                        const std::vector<at::Tensor>& params) = 0;
+  // Whether the reducer pre-divides by the world size while copying into the bucket
+  // (the default all-reduce) or leaves averaging to the hook (torch's hooks divide).
+  virtual bool reducer_divides() const = 0;
+};
+
+// torch's default without a hook: sum all-reduce of the pre-scaled bucket.
+class AllreduceSumHook final : public CommHook {
+ public:
+  explicit AllreduceSumHook(comm::ProcessGroupPtr pg) : pg_(std::move(pg)) {}
+  FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params) override;
+  bool reducer_divides() const override { return true; }
+
+ private:
+  comm::ProcessGroupPtr pg_;
+};
+
+class PythonCommHook final : public CommHook {
+ public:
+  PythonCommHook(pybind11::object state, pybind11::object hook);
+  ~PythonCommHook() override;
+  FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params) override;
+  bool reducer_divides() const override { return false; }
+
+ private:
+  pybind11::object state_;
+  pybind11::object hook_;
+};
+
+// A real torch GradBucket over `bucket` (its buffer, or `buffer` when given).
+pybind11::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
+                                  const std::vector<at::Tensor>& params,
+                                  const at::Tensor& buffer);
+
+// The tensor a bucket future completed with (a Tensor or a list holding one).
+at::Tensor result_tensor(const c10::IValue& value);
+
+}  // namespace pycomm::reducer

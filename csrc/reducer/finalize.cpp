@@ -1,0 +1,174 @@
+// The end of a synchronized backward: wait for every bucket's collective in index order,
+// write the reduced gradients back to param.grad as torch's DDP does, record the step's
+// timeline, and decide about the one bucket rebuild (see reducer.h).
+#include <torch/csrc/autograd/utils/grad_layout_contract.h>
+
+#include <sstream>
+
+#include "reducer/reducer.h"
+
+namespace pycomm::reducer {
+
+namespace {
+
+std::string describe_params(const Bucket& bucket, const std::vector<std::string>& names) {
+  std::ostringstream out;
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    out << (slot ? ", " : "") << names[bucket.params[slot]];
+    if (slot == 7 && bucket.params.size() > 9) {
+      out << ", ... (" << bucket.params.size() - 8 << " more)";
+      break;
+    }
+  }
+  return out.str();
+}
+
+}  // namespace
+
+void Reducer::finalize_backward() {
+  const int64_t finalize_start = now_ns();
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ != State::kBackward) return;
+  state_ = State::kReduced;
+  if (next_launch_ < buckets_.size()) fail_unready();
+  for (auto& bucket : buckets_) wait_bucket(*bucket);
+  if (used_future_) {
+    used_future_->wait();
+    TORCH_CHECK(!used_future_->hasError(), "pycomm DDP (rank ", rank_,
+                "): the all-reduce of parameter usage failed: ",
+                used_future_->tryRetrieveErrorMessage());
+    global_used_ = result_tensor(used_future_->value()).to(at::kCPU);
+    local_used_.zero_();
+  }
+  for (auto& bucket : buckets_) finalize_bucket(*bucket);
+  if (options_.static_graph && track_used_) {
+    const int32_t* used = global_used_.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) static_unused_[i] = used[i] == 0;
+    track_used_ = false;
+  }
+  if (record_order_) {
+    record_order_ = false;
+    rebuild_pending_ = !rebuilt_;
+  }
+  if (options_.record_timeline) push_timeline(finalize_start);
+  ++step_;
+}
+
+void Reducer::wait_bucket(Bucket& bucket) {
+  bucket.future->wait();
+  if (!bucket.future->hasError()) return;
+  std::string error = bucket.future->tryRetrieveErrorMessage();
+  const size_t failed = bucket.index;
+  const std::string members = describe_params(bucket, names_);
+  const int64_t nbytes = bucket.nbytes();
+  drain_launched();
+  reset_step();
+  state_ = State::kIdle;
+  TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): the collective of bucket ", failed, " of ",
+              buckets_.size(), " (", nbytes, " bytes; parameters ", members,
+              ") failed or timed out: ", error);
+}
+
+bool Reducer::globally_unused(size_t index) const {
+  if (track_used_) return global_used_.data_ptr<int32_t>()[index] == 0;
+  return options_.static_graph && static_unused_[index] != 0;
+}
+
+// Mirrors torch's finalize_bucket_dense: a globally unused parameter keeps its grad;
+// otherwise grad becomes (or receives) the reduced bucket slot.
+void Reducer::finalize_bucket(Bucket& bucket) {
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    const size_t index = bucket.params[slot];
+    if (globally_unused(index)) continue;
+    const at::Tensor& view = bucket.views[slot];
+    const at::Tensor& param = params_[index];
+    at::Tensor& grad = params_[index].mutable_grad();
+    const bool same_dtype = view.scalar_type() == param.scalar_type();
+    if (options_.gradient_as_bucket_view && same_dtype) {
+      if (!grad.defined()) {
+        grad = view;
+      } else if (!grad.is_alias_of(view)) {
+        grad.copy_(view);  // the user replaced .grad; keep their tensor, give it the result
+      }
+    } else if (!grad.defined()) {
+      grad = torch::autograd::utils::clone_obey_contract(view, param).to(param.scalar_type());
+    } else {
+      grad.copy_(view);
+    }
+  }
+}
+
+void Reducer::fail_unready() {
+  std::ostringstream missing;
+  size_t count = 0;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (marked_[i]) continue;
+    if (count++ < 16) missing << (count > 1 ? ", " : "") << names_[i];
+  }
+  if (count > 16) missing << ", ... (" << count - 16 << " more)";
+  const size_t first_unlaunched = next_launch_;
+  drain_launched();
+  reset_step();
+  local_used_.zero_();
+  state_ = State::kIdle;
+  TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): ", count, " parameter(s) did not receive "
+              "a gradient in this backward, so bucket ", first_unlaunched, " and later were "
+              "never reduced: ", missing.str(), ". These parameters were not used to compute "
+              "the loss: pass find_unused_parameters=True to DistributedDataParallel, or make "
+              "sure every parameter takes part (or set requires_grad=False before wrapping).");
+}
+
+void Reducer::drain_launched() noexcept {
+  for (auto& bucket : buckets_) {
+    if (bucket->future) bucket->future->wait();
+  }
+  if (used_future_) used_future_->wait();
+}
+
+void Reducer::push_timeline(int64_t finalize_start_ns) {
+  StepTimeline step;
+  step.step = step_;
+  step.rank = rank_;
+  step.backward_start_ns = backward_start_ns_;
+  step.param_ready_ns = ready_ns_;
+  step.buckets.reserve(buckets_.size());
+  for (const auto& bucket : buckets_) {
+    BucketTimes times;
+    times.index = static_cast<int64_t>(bucket->index);
+    times.nbytes = bucket->nbytes();
+    times.param_indices.assign(bucket->params.begin(), bucket->params.end());
+    times.ready_ns = bucket->ready_ns;
+    times.launch_ns = bucket->launch_ns;
+    times.done_ns = bucket->done_ns.load();
+    step.buckets.push_back(std::move(times));
+  }
+  step.finalize_start_ns = finalize_start_ns;
+  step.finalize_end_ns = now_ns();
+  timeline_.push(std::move(step));
+}
+
+std::vector<StepTimeline> Reducer::timelines(size_t n) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return timeline_.last(n);
+}
+
+bool Reducer::should_rebuild_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return rebuild_pending_;
+}
+
+std::vector<size_t> Reducer::ready_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<uint8_t> seen(params_.size(), 0);
+  std::vector<size_t> order;
+  for (size_t index : order_) {
+    if (!seen[index]) order.push_back(index);
+    seen[index] = 1;
+  }
+  for (size_t i = params_.size(); i-- > 0;) {
+    if (!seen[i]) order.push_back(i);
+  }
+  return order;
+}
+
+}  // namespace pycomm::reducer

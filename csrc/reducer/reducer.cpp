@@ -1,0 +1,320 @@
+// The reducer's hot path: hooks, gradient copy into buckets, launch (see reducer.h).
+#include "reducer/reducer.h"
+
+#include <ATen/ScalarOps.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/utils/lambda_post_hook.h>
+
+#include <unordered_set>
+
+namespace pycomm::reducer {
+
+namespace {
+
+// Fires on the first output node backward reaches: stamps the start of backward. The
+// step itself begins at the first parameter hook, so a backward that reaches no
+// parameter (torch.autograd.grad w.r.t. inputs) leaves the step armed, as torch does.
+class BackwardStartHook final : public torch::autograd::FunctionPreHook {
+ public:
+  explicit BackwardStartHook(std::weak_ptr<Reducer*> reducer) : reducer_(std::move(reducer)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    if (auto reducer = reducer_.lock()) (*reducer)->on_backward_start();
+    return grads;
+  }
+
+ private:
+  std::weak_ptr<Reducer*> reducer_;
+};
+
+}  // namespace
+
+Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+                 const std::vector<std::vector<size_t>>& assignment, comm::ProcessGroupPtr pg,
+                 ReducerOptions options)
+    : params_(std::move(params)),
+      names_(std::move(names)),
+      pg_(std::move(pg)),
+      options_(options),
+      self_(std::make_shared<Reducer*>(this)),
+      timeline_(options.record_timeline ? static_cast<size_t>(options.timeline_steps) : 0) {
+  TORCH_CHECK_VALUE(pg_, "Reducer: process group is null");
+  TORCH_CHECK_VALUE(!params_.empty(), "Reducer: no parameters that require grad");
+  TORCH_CHECK_VALUE(names_.size() == params_.size(), "Reducer: ", names_.size(), " names for ",
+                    params_.size(), " parameters");
+  rank_ = pg_->getRank();
+  div_factor_ = pg_->getSize();
+  hook_ = std::make_unique<AllreduceSumHook>(pg_);
+  marked_.assign(params_.size(), 0);
+  ready_ns_.assign(params_.size(), -1);
+  static_unused_.assign(params_.size(), 0);
+  local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
+  track_used_ = options_.find_unused_parameters || options_.static_graph;
+  // Buckets are rebuilt from the observed ready order once, unless the graph is dynamic
+  // (find_unused_parameters without static_graph), as torch does.
+  record_order_ = !options_.find_unused_parameters || options_.static_graph;
+  rebuild_buckets(assignment);
+  install_hooks();
+}
+
+Reducer::~Reducer() {
+  drain_launched();
+  remove_hooks();
+}
+
+void Reducer::install_hooks() {
+  for (size_t index = 0; index < params_.size(); ++index) {
+    auto accumulator = torch::autograd::impl::grad_accumulator(params_[index]);
+    TORCH_CHECK(accumulator, "parameter ", names_[index], " has no gradient accumulator");
+    std::weak_ptr<Reducer*> weak = self_;
+    hook_keys_.push_back(accumulator->add_post_hook(
+        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+            [weak, index](const torch::autograd::variable_list& outputs,
+                          const torch::autograd::variable_list& /*inputs*/) {
+              if (auto reducer = weak.lock()) (*reducer)->autograd_hook(index);
+              return outputs;
+            })));
+    accumulators_.push_back(std::move(accumulator));
+  }
+}
+
+void Reducer::remove_hooks() {
+  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
+  accumulators_.clear();
+  hook_keys_.clear();
+}
+
+void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != State::kBackward, "cannot rebuild buckets during backward");
+  buckets_ = build_buckets(params_, names_, assignment, options_.reduce_dtype);
+  locator_.assign(params_.size(), {0, 0});
+  for (auto& bucket : buckets_) {
+    for (size_t slot = 0; slot < bucket->params.size(); ++slot) {
+      const size_t index = bucket->params[slot];
+      locator_[index] = {bucket->index, slot};
+      // gradient_as_bucket_view: an existing grad moves into its new slot.
+      at::Tensor& grad = params_[index].mutable_grad();
+      at::Tensor& view = bucket->views[slot];
+      if (options_.gradient_as_bucket_view && grad.defined() &&
+          grad.scalar_type() == view.scalar_type()) {
+        view.copy_(grad);
+        grad = view;
+      }
+    }
+  }
+  if (rebuild_pending_) {
+    rebuild_pending_ = false;
+    rebuilt_ = true;
+  }
+  reset_step();
+}
+
+at::Tensor Reducer::grad_view(size_t index) const {
+  TORCH_CHECK_INDEX(index < params_.size(), "parameter index ", index, " out of range");
+  const auto [bucket, slot] = locator_[index];
+  return buckets_[bucket]->views[slot];
+}
+
+void Reducer::reset_step() {
+  next_launch_ = 0;
+  std::fill(marked_.begin(), marked_.end(), 0);
+  std::fill(ready_ns_.begin(), ready_ns_.end(), -1);
+  for (auto& bucket : buckets_) {
+    bucket->pending = bucket->params.size();
+    bucket->future.reset();
+    bucket->ready_ns = bucket->launch_ns = -1;
+    bucket->done_ns.store(-1);
+  }
+  used_future_.reset();
+  backward_start_ns_ = -1;
+}
+
+void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::kBackward) fail_unready();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    TORCH_CHECK_VALUE(params_[i].requires_grad(), "parameter ", names_[i],
+                      " no longer requires grad: requires_grad changed after "
+                      "DistributedDataParallel was constructed; wrap the module again");
+  }
+  reset_step();
+  unused_.clear();
+  if (options_.static_graph && !track_used_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (static_unused_[i]) unused_.push_back(i);
+    }
+  } else if (options_.find_unused_parameters || options_.static_graph) {
+    find_unused(outputs);
+  }
+  std::weak_ptr<Reducer*> weak = self_;
+  for (const auto& out : outputs) {
+    if (out.defined() && out.grad_fn()) {
+      out.grad_fn()->add_pre_hook(std::make_unique<BackwardStartHook>(weak));
+    }
+  }
+  state_ = State::kPrepared;
+}
+
+void Reducer::prepare_no_sync() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::kBackward) fail_unready();
+  state_ = State::kIdle;
+}
+
+void Reducer::find_unused(const std::vector<at::Tensor>& outputs) {
+  std::unordered_set<torch::autograd::Node*> seen;
+  std::vector<torch::autograd::Node*> stack;
+  for (const auto& out : outputs) {
+    if (!out.defined() || !out.requires_grad()) continue;
+    auto edge = torch::autograd::impl::gradient_edge(out);
+    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+  }
+  while (!stack.empty()) {
+    torch::autograd::Node* node = stack.back();
+    stack.pop_back();
+    for (const auto& edge : node->next_edges()) {
+      if (edge.function && seen.insert(edge.function.get()).second) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!seen.count(accumulators_[i].get())) unused_.push_back(i);
+  }
+}
+
+void Reducer::on_backward_start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ == State::kPrepared && backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+}
+
+void Reducer::begin_backward_locked() {
+  state_ = State::kBackward;
+  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  scale_ = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(div_factor_));
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
+    if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
+  });
+  for (size_t index : unused_) mark_ready(index, /*used=*/false);
+}
+
+void Reducer::autograd_hook(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (track_used_) local_used_.data_ptr<int32_t>()[index] = 1;
+  if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
+  TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ",
+              names_[index], " got a gradient after this step was already reduced: backward "
+              "ran twice without a forward through the DistributedDataParallel wrapper");
+  if (state_ == State::kPrepared) begin_backward_locked();
+  TORCH_CHECK(!marked_[index], "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
+              " was marked ready twice in one backward (used in a reentrant backward or "
+              "outside the module's outputs); find_unused_parameters=True cannot apply to it");
+  mark_ready(index, /*used=*/true);
+}
+
+void Reducer::mark_ready(size_t index, bool used) {
+  marked_[index] = 1;
+  const auto [bucket_index, slot] = locator_[index];
+  Bucket& bucket = *buckets_[bucket_index];
+  copy_into_bucket(bucket, slot);
+  if (options_.record_timeline && used) ready_ns_[index] = now_ns();
+  if (record_order_) order_.push_back(index);
+  if (--bucket.pending == 0) {
+    bucket.ready_ns = now_ns();
+    launch_ready_buckets();
+  }
+}
+
+// Mirrors torch's reducer numerics exactly (mark_variable_ready_dense): averaging is
+// folded into the copy (mul_out by 1/world) unless a hook averages; a grad that already
+// is the bucket view is divided in place.
+void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
+  const size_t index = bucket.params[slot];
+  at::Tensor& view = bucket.views[slot];
+  at::Tensor& grad = params_[index].mutable_grad();
+  if (!grad.defined()) {
+    view.zero_();
+    return;
+  }
+  TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
+                    "pycomm DDP reduces dense gradients only (use sparse=False)");
+  const bool divide = hook_->reducer_divides();
+  if (grad.is_alias_of(view)) {
+    if (divide) view.div_(div_factor_);
+    return;
+  }
+  if (view.scalar_type() != grad.scalar_type()) {
+    // reduce_dtype: widen first so the scaling rounds in the wide type.
+    view.copy_(grad);
+    if (divide) view.mul_(scale_);
+    return;
+  }
+  if (!divide) {
+    view.copy_(grad);
+  } else if (grad.requires_grad()) {
+    view.copy_(at::mul(grad, scale_));  // create_graph=True: keep grad's graph out
+  } else {
+    at::mul_out(view, grad, scale_);
+  }
+  if (options_.gradient_as_bucket_view) grad = view;
+}
+
+// Note [Bucket order]
+// Every rank launches the bucket collectives strictly in bucket index order: a bucket
+// whose gradients are all in waits until every lower-index bucket has launched (as torch
+// does). Bucket assignment is identical on all ranks (built from the same parameter list,
+// and rebuilt from rank 0's broadcast ready order), so the i-th collective of a step is
+// the same bucket everywhere, whatever order gradients become ready in on each rank.
+void Reducer::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_]->pending == 0) {
+    launch(*buckets_[next_launch_++]);
+  }
+  if (next_launch_ == buckets_.size() && track_used_) {
+    // Usage is summed across ranks after the last bucket (see Note [Bucket order]).
+    at::Tensor used = local_used_.clone().to(buckets_.front()->buffer.device());
+    used_future_ = comm::start_allreduce(pg_, used, c10d::ReduceOp::SUM)->getFuture();
+  }
+}
+
+void Reducer::launch(Bucket& bucket) {
+  for (auto& callback : pre_launch_) callback(bucket);
+  bucket.launch_ns = now_ns();
+  FuturePtr future = hook_->run(bucket, buckets_.size(), params_);
+  Bucket* target = &bucket;
+  auto* callbacks = &post_done_;
+  bucket.future = future->then(
+      [target, callbacks](c10::ivalue::Future& parent) -> c10::IValue {
+        at::Tensor out = result_tensor(parent.value());
+        target->done_ns.store(now_ns());
+        if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
+        for (auto& callback : *callbacks) callback(*target);
+        return target->buffer;
+      },
+      c10::TensorType::get());
+}
+
+void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(!python_hook_, "a communication hook is already registered; register it once");
+  TORCH_CHECK(step_ == 0, "register the communication hook before the first backward");
+  python_hook_ = dynamic_cast<PythonCommHook*>(hook.get()) != nullptr;
+  hook_ = std::move(hook);
+}
+
+void Reducer::add_pre_launch(BucketCallback callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  pre_launch_.push_back(std::move(callback));
+}
+
+void Reducer::add_post_done(BucketCallback callback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  post_done_.push_back(std::move(callback));
+}
+
+void Reducer::set_divide_factor(int64_t factor) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK_VALUE(factor > 0, "divide factor must be positive, got ", factor);
+  div_factor_ = factor;
+}
+
+}  // namespace pycomm::reducer

@@ -1,0 +1,149 @@
+// The bucketed gradient reducer: autograd hooks -> grad copied (pre-scaled) into its bucket
+// slot -> the bucket's collective launched the moment it is complete -> one finalize at
+// the end of backward that leaves every param.grad as torch's DDP would. Bucket layout is
+// bucket.h's; how a bucket is reduced is comm_hook.h's; this file owns when.
+//
+//   backward:  [grads of bucket 0 land][grads of bucket 1 land][grads of bucket 2 land]
+//   comm:                   [allreduce b0 ........][allreduce b1 .......][allreduce b2 ..]
+//   finalize:                                                     wait b0,b1,b2 -> grads
+#pragma once
+
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "comm/c10d.h"
+#include "reducer/bucket.h"
+#include "reducer/comm_hook.h"
+#include "reducer/timeline.h"
+
+namespace pycomm::reducer {
+
+// shared_ptr<Node> before torch 2.12, intrusive_ptr<Node> since.
+using AccumulatorPtr =
+    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+struct ReducerOptions {
+  bool gradient_as_bucket_view = false;
+  bool find_unused_parameters = false;
+  bool static_graph = false;
+  bool record_timeline = true;
+  int64_t timeline_steps = 64;
+  std::optional<at::ScalarType> reduce_dtype;
+};
+
+// Extension point: called with a bucket whose gradients are all in, before its collective
+// (pre_launch), or whose collective completed, before finalize (post_done; runs in the
+// collective's completion callback, possibly on a communication thread, while backward
+// goes on). Throwing fails the step with the bucket named.
+using BucketCallback = std::function<void(Bucket&)>;
+
+class Reducer {
+ public:
+  Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
+          const std::vector<std::vector<size_t>>& assignment, comm::ProcessGroupPtr pg,
+          ReducerOptions options);
+  ~Reducer();
+  Reducer(const Reducer&) = delete;
+  Reducer& operator=(const Reducer&) = delete;
+
+  // Forward of a synchronized step (grad enabled, outside no_sync): arms the hooks.
+  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+  // Forward inside no_sync (or without grad): hooks only record usage.
+  void prepare_no_sync();
+  void rebuild_buckets(const std::vector<std::vector<size_t>>& assignment);
+  bool should_rebuild_buckets() const;
+  // Parameter indices in the order their grads became ready in the recorded step,
+  // completed with the never-ready ones (reverse index order) so every rank has them all.
+  std::vector<size_t> ready_order() const;
+
+  void set_comm_hook(std::unique_ptr<CommHook> hook);
+  bool has_python_comm_hook() const { return python_hook_; }
+  void add_pre_launch(BucketCallback callback);
+  void add_post_done(BucketCallback callback);
+  // The averaging divisor of the next steps (world size by default; join lowers it).
+  void set_divide_factor(int64_t factor);
+
+  std::vector<StepTimeline> timelines(size_t n) const;
+  const std::vector<std::unique_ptr<Bucket>>& buckets() const { return buckets_; }
+  const std::vector<at::Tensor>& params() const { return params_; }
+  const std::vector<std::string>& names() const { return names_; }
+  int64_t rank() const { return rank_; }
+  const comm::ProcessGroupPtr& process_group() const { return pg_; }
+  // The bucket view holding parameter `index`'s gradient (fp32 with reduce_dtype).
+  at::Tensor grad_view(size_t index) const;
+
+  // Called by hooks (public for them; not part of the Python API).
+  void autograd_hook(size_t index);
+  void on_backward_start();
+
+ private:
+  enum class State { kIdle, kPrepared, kBackward, kReduced };
+
+  void install_hooks();
+  void remove_hooks();
+  void reset_step();
+  void begin_backward_locked();
+  void mark_ready(size_t index, bool used);
+  void copy_into_bucket(Bucket& bucket, size_t slot);
+  void launch_ready_buckets();
+  void launch(Bucket& bucket);
+  void finalize_backward();
+  void wait_bucket(Bucket& bucket);
+  void finalize_bucket(Bucket& bucket);
+  void fail_unready();
+  void drain_launched() noexcept;
+  void push_timeline(int64_t finalize_start_ns);
+  bool globally_unused(size_t index) const;
+  void find_unused(const std::vector<at::Tensor>& outputs);
+
+  std::vector<at::Tensor> params_;
+  std::vector<std::string> names_;
+  comm::ProcessGroupPtr pg_;
+  ReducerOptions options_;
+  int64_t rank_ = 0;
+  int64_t div_factor_ = 1;
+
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, slot)
+  std::vector<AccumulatorPtr> accumulators_;
+  std::vector<uintptr_t> hook_keys_;
+  std::shared_ptr<Reducer*> self_;  // weak handle for hooks that may outlive us
+
+  std::unique_ptr<CommHook> hook_;
+  bool python_hook_ = false;
+  std::vector<BucketCallback> pre_launch_;
+  std::vector<BucketCallback> post_done_;
+
+  mutable std::mutex mutex_;
+  State state_ = State::kIdle;
+  size_t next_launch_ = 0;
+  std::vector<uint8_t> marked_;
+  std::vector<size_t> unused_;         // marked ready (zero) at backward start
+  at::Tensor scale_;                   // 1 / div_factor_, a wrapped scalar
+  int64_t step_ = 0;
+
+  // Usage tracking (find_unused_parameters, and the first step of static_graph).
+  bool track_used_ = false;
+  at::Tensor local_used_;              // int32 CPU, per parameter; summed across ranks
+  at::Tensor global_used_;             // the summed result of the last reduced step
+  FuturePtr used_future_;
+  std::vector<uint8_t> static_unused_;
+
+  bool rebuild_pending_ = false;
+  bool rebuilt_ = false;
+  bool record_order_ = true;
+  std::vector<size_t> order_;
+
+  int64_t backward_start_ns_ = -1;
+  std::vector<int64_t> ready_ns_;
+  TimelineRing timeline_;
+};
+
+}  // namespace pycomm::reducer

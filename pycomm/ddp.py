@@ -1,0 +1,337 @@
+"""`pycomm.DistributedDataParallel`: the nn.Module face of the C++ reducer, a drop-in for
+torch 2.13's DistributedDataParallel. Owns construction checks, the per-forward protocol
+(bucket rebuild, buffer sync, arming the reducer), no_sync, comm hooks and pickling. The
+hot path (hooks, bucket copy, collectives, finalize) is csrc/reducer/; uneven inputs are
+ddp_join.py's."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from contextlib import contextmanager
+from dataclasses import fields, is_dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from . import _C
+from .config import BROADCAST_BUCKET_BYTES, DDPConfig
+from .ddp_join import DDPJoinHook, notify_join
+
+_UNIMPLEMENTED = {  # torch argument -> its value that pycomm implements
+    "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
+    "mixed_precision": None, "skip_all_reduce_unused_params": False,
+    "batched_grad_copy": False,
+}
+
+
+def _gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
+    """The group gradient collectives run on: the one place that choice is made (a
+    same-host shared-memory group may be returned here later, issue 7)."""
+    return process_group
+
+
+def _find_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside an output made of tensors, tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return list(itertools.chain.from_iterable(map(_find_tensors, obj)))
+    if isinstance(obj, dict):
+        return list(itertools.chain.from_iterable(map(_find_tensors, obj.values())))
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return list(itertools.chain.from_iterable(
+            _find_tensors(getattr(obj, f.name)) for f in fields(obj)))
+    return []
+
+
+def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
+    if device_mesh is not None:
+        if process_group is not None:
+            raise RuntimeError("pass either process_group or device_mesh, not both")
+        if device_mesh.ndim != 1:
+            raise NotImplementedError("device_mesh: only 1-D meshes are supported by pycomm "
+                                      f"(got {device_mesh.ndim}-D)")
+        return device_mesh.get_group()
+    group = (process_group if process_group is not None
+             else dist.distributed_c10d._get_default_group())
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
+                        f"{type(group).__name__}")
+    return group
+
+
+def _check_args(args: dict[str, Any]) -> None:
+    for name, supported in _UNIMPLEMENTED.items():
+        if args[name] is not supported and args[name] != supported:
+            raise NotImplementedError(f"pycomm DistributedDataParallel does not implement "
+                                      f"{name}={args[name]!r} yet")
+    if args["check_reduction"]:
+        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                      "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
+
+
+def _config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPConfig:
+    sync = args["forward_sync_buffers"]
+    if sync is None:
+        sync = True if args["broadcast_buffers"] is None else args["broadcast_buffers"]
+    caps = args["bucket_cap_mb_list"]
+    from_args = dict(
+        bucket_cap_mb=args["bucket_cap_mb"],
+        bucket_cap_mb_list=None if caps is None else tuple(caps),
+        find_unused_parameters=args["find_unused_parameters"],
+        gradient_as_bucket_view=args["gradient_as_bucket_view"],
+        static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"])
+    if config is None:
+        return DDPConfig(**from_args)
+    default = DDPConfig()
+    clash = [k for k, v in from_args.items() if v != getattr(default, k)]
+    if clash:
+        raise ValueError(f"pass {', '.join(clash)} either as arguments or in config, not both")
+    return config
+
+
+class DistributedDataParallel(nn.Module, Joinable):
+    """Data parallelism with pycomm's C++ bucketed reducer; torch 2.13's constructor."""
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
+                 broadcast_buffers=None, init_sync=True, process_group=None,
+                 bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
+                 gradient_as_bucket_view=False, static_graph=False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
+                 bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
+                 *, config: Optional[DDPConfig] = None):
+        args = dict(locals())
+        super().__init__()
+        Joinable.__init__(self)
+        _check_args(args)
+        self.module = module
+        self.config = _config_from_args(config, args)
+        self.process_group = _resolve_group(process_group, device_mesh)
+        self.dim = dim
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._join_divide_by_initial_world_size = True
+        self._named_params = self._trainable_params()
+        self._check_devices(device_ids, output_device)
+        if self.config.init_sync:
+            self._verify_and_sync_states()
+        self._build_reducer()
+
+    # ---- construction ----------------------------------------------------------------
+
+    def _trainable_params(self) -> list[tuple[str, nn.Parameter]]:
+        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in ignored]
+        if not named:
+            raise RuntimeError("DistributedDataParallel is not needed when a module doesn't "
+                               "have any parameter that requires a gradient.")
+        for name, sub in self.module.named_modules():
+            if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+                raise NotImplementedError(f"sparse gradients ({name or 'module'} has "
+                                          "sparse=True) are not supported by pycomm DDP")
+        return named
+
+    def _check_devices(self, device_ids, output_device) -> None:
+        devices = {p.device for _, p in self._named_params}
+        if len(devices) > 1 and device_ids is not None:
+            raise ValueError(f"DistributedDataParallel device_ids and output_device arguments "
+                             f"only work with single-device modules, but parameters are on "
+                             f"{sorted(map(str, devices))}; pass device_ids=None")
+        device = next(iter(devices))
+        if device.type == "cpu" and device_ids is not None:
+            raise ValueError(f"device_ids must be None for a CPU module, got {device_ids}")
+        for name, sub in self.module.named_modules():
+            if isinstance(sub, nn.SyncBatchNorm) and device.type == "cpu":
+                raise ValueError(f"SyncBatchNorm layers only work with GPU modules ({name})")
+        backend = dist.get_backend(self.process_group)
+        if backend == "nccl" and device.type != "cuda":
+            raise ValueError(f"process group backend 'nccl' cannot reduce gradients of "
+                             f"parameters on {device}; use a gloo group for CPU modules")
+        self.device = device
+        self.device_ids = None if device_ids is None else [
+            d.index if isinstance(d, torch.device) else int(d) for d in device_ids]
+        self.output_device = output_device if output_device is not None else (
+            self.device_ids[0] if self.device_ids else None)
+
+    def _verify_and_sync_states(self) -> None:
+        meta = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
+        world = dist.get_world_size(self.process_group)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, meta, group=self.process_group)
+        for rank, other in enumerate(gathered):
+            if other == gathered[0]:
+                continue
+            for a, b in itertools.zip_longest(gathered[0], other):
+                if a != b:
+                    raise RuntimeError(f"DDP expects the same parameters on every rank: rank 0 "
+                                       f"has {a}, rank {rank} has {b} (name, shape, dtype)")
+        states = [p.detach() for p in self.module.parameters()] + self._buffers_to_sync()
+        if states:
+            dist._broadcast_coalesced(self.process_group, states, BROADCAST_BUCKET_BYTES, 0)
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        return [b.detach() for n, b in self.module.named_buffers() if n not in ignored]
+
+    def _build_reducer(self) -> None:
+        params = [p for _, p in self._named_params]
+        names = [n for n, _ in self._named_params]
+        # Before any gradient was seen: buckets cut in reverse registration order (so
+        # overlap starts at step 1, unlike torch 2.13's single first-step bucket), each
+        # laid out in registration order as torch lays out its buckets (so a one-bucket
+        # layout is byte-identical to torch's and reductions match bitwise).
+        order = list(reversed(range(len(params))))
+        assignment = [sorted(b) for b in
+                      _C.assign_buckets(params, order, self.config.bucket_byte_limits())]
+        self._gradient_pg = _gradient_group(self.process_group, self.config)
+        c = self.config
+        self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
+                                  c.gradient_as_bucket_view, c.find_unused_parameters,
+                                  c.static_graph, c.record_timeline, c.timeline_steps,
+                                  c.grad_reduce_dtype)
+        self._comm_hook: Optional[tuple[Any, Callable]] = None
+        self._set_main_grads()
+
+    def _set_main_grads(self) -> None:
+        if self.config.grad_reduce_dtype is None:
+            return
+        for i, (_, p) in enumerate(self._named_params):
+            view = self.reducer.grad_view(i)
+            if view.dtype != p.dtype:
+                p.main_grad = view
+
+    # ---- forward ---------------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        notify_join(self)
+        if torch.is_grad_enabled():
+            self._rebuild_buckets_if_due()
+        if self.config.broadcast_buffers and self.require_forward_param_sync:
+            self._sync_buffers(authoritative=True)
+        if self._join_config.enable:
+            self._join_requires_sync(joined=False)
+        if self.device_ids:
+            from torch.distributed.utils import _to_kwargs
+            target = torch.device(self.device.type, self.device_ids[0])
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, target, False)
+            inputs, kwargs = moved[0], moved_kwargs[0]
+        output = self.module(*inputs, **kwargs)
+        if grad_sync:
+            self.reducer.prepare_for_backward(_find_tensors(output))
+        else:
+            self.reducer.prepare_no_sync()
+        return output
+
+    def _rebuild_buckets_if_due(self) -> bool:
+        """Once, after the first synchronized step: buckets re-cut in rank 0's observed
+        gradient-ready order (broadcast, so every rank gets the same layout)."""
+        if not self.reducer.should_rebuild_buckets():
+            return False
+        order = torch.tensor(self.reducer.ready_order(), dtype=torch.int64, device=self.device)
+        dist.broadcast(order, dist.get_global_rank(self._gradient_pg, 0), group=self._gradient_pg)
+        params = [p for _, p in self._named_params]
+        assignment = _C.assign_buckets(params, order.cpu().tolist(),
+                                       self.config.bucket_byte_limits())
+        self.reducer.rebuild_buckets(assignment)
+        self._set_main_grads()
+        return True
+
+    def _sync_buffers(self, authoritative: bool) -> None:
+        buffers = self._buffers_to_sync()
+        if not buffers or dist.get_world_size(self.process_group) == 1:
+            return
+        src = self._find_common_rank(authoritative) if self._join_config.enable else 0
+        with torch.no_grad():
+            dist._broadcast_coalesced(self.process_group, buffers, BROADCAST_BUCKET_BYTES,
+                                      src)
+
+    def _find_common_rank(self, condition: bool) -> int:
+        """The highest rank for which `condition` holds (torch's _find_common_rank)."""
+        rank = dist.get_rank(self.process_group)
+        t = torch.tensor([rank if condition else -1], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
+        common = int(t.item())
+        if common < 0:
+            raise RuntimeError("join: no rank satisfied the condition (internal error)")
+        return common
+
+    def _join_requires_sync(self, joined: bool) -> bool:
+        flag = torch.ones(1, device=self.device) if (not joined and
+                                                    self.require_backward_grad_sync) \
+            else torch.zeros(1, device=self.device)
+        dist.all_reduce(flag, group=self.process_group)
+        return bool(flag.item() != 0)
+
+    # ---- torch's DDP API -------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next synchronized backward reduces them."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """torch's protocol: hook(state, dist.GradBucket) -> torch.futures.Future[Tensor]."""
+        if not callable(hook):
+            raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self.reducer.register_comm_hook(state, hook)
+        self._comm_hook = (state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        self.register_comm_hook(self._gradient_pg, hooks[comm_hook_type])
+
+    def timelines(self, n: int = 1) -> list[dict]:
+        """The reducer's last `n` step timelines (see Note [Timeline]), most recent last."""
+        return self.reducer.timelines(n)
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names) -> None:
+        module._ddp_params_and_buffers_to_ignore = list(names)
+
+    # ---- join (uneven inputs; see ddp_join.py) ---------------------------------------
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    # ---- pickling (torch.save of the wrapper) ----------------------------------------
+
+    def __getstate__(self) -> dict:
+        attrs = copy.copy(self.__dict__)
+        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook"):
+            attrs.pop(key, None)
+        return attrs
+
+    def __setstate__(self, state: dict) -> None:
+        self.process_group = dist.distributed_c10d._get_default_group()
+        super().__setstate__(state)
+        self._build_reducer()
