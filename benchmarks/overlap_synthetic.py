@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
 
 import torch
@@ -69,8 +67,7 @@ def _median_step(steps: list[dict]) -> dict:
     return sorted(steps, key=lambda s: step_report(s).backward_s)[len(steps) // 2]
 
 
-def _body(args) -> None:
-    reps, out = args
+def _body(reps: int) -> dict:
     network = fit_network()
     recorded = {}
     for name, plan in SCENARIOS:
@@ -79,10 +76,7 @@ def _body(args) -> None:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, _median_step(steps))
         recorded[name] = gathered
-    if dist.get_rank() == 0:
-        with open(out, "w") as f:
-            json.dump({"world": dist.get_world_size(), "network": network.__dict__,
-                       "steps": recorded}, f)
+    return {"network": network.__dict__, "steps": recorded}
 
 
 def _slowest(raws: list[dict]) -> dict:
@@ -105,13 +99,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     ns = ap.parse_args()
-    runs = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for n in (int(w) for w in ns.worlds.split(",")):
-            path = os.path.join(tmp, f"{n}.json")
-            common.launch(_body, (ns.reps, path), n, "gloo")
-            with open(path) as f:
-                runs[n] = json.load(f)
+    runs = {n: common.launch(_body, ns.reps, n, "gloo")
+            for n in (int(w) for w in ns.worlds.split(","))}
     rows, base = [], min(runs)
     for n, run in runs.items():
         model = AlphaBeta(**run["network"])

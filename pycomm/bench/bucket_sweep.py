@@ -13,8 +13,11 @@ prediction sits beside each measurement (out of sample for every other cap).
 from __future__ import annotations
 
 import argparse
+import copy
+import datetime
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -55,8 +58,7 @@ class SweepConfig:
     rounds: int = 4
     steps: int = 3  # per cap per round
     warmup: int = 2
-    plot: Optional[str] = "bucket_sweep.png"
-    json: Optional[str] = None
+    threads: int = 1  # compute threads per rank
     network: Optional[AlphaBeta] = None  # None: fitted by a quick all-reduce sweep
 
 
@@ -186,19 +188,9 @@ def run(cfg: SweepConfig, make_model: Callable[[], nn.Module],
     return result, {cap: _median_step(measured[cap][1]) for cap in caps}
 
 
-def report(cfg: SweepConfig, result: SweepResult, steps: dict, title: str) -> None:
-    """Print the table, write the JSON and draw the picture (rank 0)."""
-    print(common.header(f"ddp --sweep-bucket-cap | {title}", warmup=cfg.warmup,
-                        rounds=cfg.rounds, steps=cfg.steps))
-    print(format_sweep(result))
-    if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(asdict(result), f, indent=1)
-    if cfg.plot:
-        _draw(cfg.plot, result, steps)
-
-
-def _draw(path: str, result: SweepResult, steps: dict) -> None:
+def draw(path: str, result: SweepResult, steps: dict) -> str:
+    """The picture: one step with torch's layout above one with the recommended cap (or,
+    when torch's layout is the recommendation, the runner-up). Returns a line to print."""
     from ..overlap.plot import plot_timelines
 
     others = sorted((r for r in result.rows if r.cap_mb != TORCH_CAP_MB),
@@ -208,43 +200,69 @@ def _draw(path: str, result: SweepResult, steps: dict) -> None:
     try:
         plot_timelines([("torch's layout (1 MiB first bucket, then 25 MiB)", steps[TORCH_CAP_MB]),
                         (f"{label} {pick:g} MiB", steps[pick])], path)
-        print(f"# timeline picture: {path}")
     except RuntimeError as e:  # matplotlib missing: the table stands on its own
-        print(f"# no picture: {e}")
+        return f"# no picture: {e}"
+    return f"# timeline picture: {path}"
 
 
-def _body(args: tuple) -> None:
-    cfg, make_model, loss_of, title = args
-    result, steps = run(cfg, make_model, loss_of)
-    if dist.get_rank() == 0:
-        report(cfg, result, steps, title)
+def _body(args: tuple) -> tuple[str, SweepResult, dict]:
+    cfg, model_name = args
+    from .ddp import _model  # the models of `pycomm-bench ddp --models`
 
-
-def launch(cfg: SweepConfig, make_model: Callable[[], nn.Module],
-           loss_of: Callable[[nn.Module], torch.Tensor], title: str, nproc: int,
-           backend: Optional[str] = None) -> None:
-    """Run the sweep on `nproc` local ranks (or under torchrun); `make_model` and `loss_of`
-    must be module-level functions (they travel to the ranks by name)."""
-    common.launch(_body, (cfg, make_model, loss_of, title), nproc,
-                  backend or common.default_backend())
+    module, x = _model(model_name)
+    result, steps = run(cfg, lambda: copy.deepcopy(module),
+                        lambda ddp: ddp(x).float().square().mean())
+    title = common.header(f"ddp --sweep-bucket-cap | model {model_name}", warmup=cfg.warmup,
+                          rounds=cfg.rounds, steps=cfg.steps, threads=cfg.threads,
+                          ranks="slowest")
+    return title, result, steps
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The sweep's flags, added to `pycomm-bench ddp` (which owns --models, --reps, --steps,
+    --warmup, --threads, --nproc, --backend and --json, used here too)."""
     p.add_argument("--sweep-bucket-cap", action="store_true",
                    help="measure step time, exposed communication and overlap per bucket cap "
-                   "and recommend one")
+                   "and recommend one (with a timeline picture)")
     p.add_argument("--caps", type=lambda s: tuple(float(c) for c in s.split(",")),
                    default=SweepConfig.caps_mb, help="bucket caps to sweep, MiB, comma-separated "
                    f"(default {','.join(f'{c:g}' for c in SweepConfig.caps_mb)}; "
-                   f"{TORCH_CAP_MB:g} is always included)")
-    p.add_argument("--plot", default=SweepConfig.plot, help="timeline picture (PNG) path; '' for "
-                   "none")
-    p.add_argument("--network", metavar="JSON", default=None, help="fit the network model "
+                   f"{TORCH_CAP_MB:g}, torch's layout, is always included)")
+    p.add_argument("--plot", default="bucket_sweep.png", help="timeline picture (PNG); a model "
+                   "name is added when several models are swept; '' for none")
+    p.add_argument("--network", metavar="JSON", default=None, help="fit the idle network "
                    "from a `pycomm-bench collectives --json` file instead of a quick sweep")
 
 
 def config_from(ns: argparse.Namespace) -> SweepConfig:
     network = fit_alpha_beta(load_collectives_json(ns.network)) if ns.network else None
-    return SweepConfig(caps_mb=ns.caps, plot=ns.plot or None, json=getattr(ns, "json", None),
-                       network=network)
+    return SweepConfig(caps_mb=ns.caps, rounds=ns.reps, steps=ns.steps, warmup=ns.warmup,
+                       threads=ns.threads, network=network)
 
+
+def _plot_path(path: str, model: str, several: bool) -> str:
+    return path.replace(".png", f"_{model}.png") if several else path
+
+
+def main(ns: argparse.Namespace) -> int:
+    """`pycomm-bench ddp --sweep-bucket-cap`: sweep every model of --models."""
+    cfg = config_from(ns)
+    models = ns.models.split(",")
+    backend = ns.backend or common.default_backend(ns.nproc)
+    results = {}
+    for name in models:
+        title, result, steps = common.launch(_body, (cfg, name), ns.nproc, backend,
+                                             timeout_s=3600.0, threads=cfg.threads)
+        print(title)
+        print(format_sweep(result))
+        if ns.plot:
+            print(draw(_plot_path(ns.plot, name, len(models) > 1), result, steps))
+        sys.stdout.flush()
+        results[name] = asdict(result)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"command": "pycomm-bench " + " ".join(sys.argv[1:]), "backend": backend,
+                       "world": ns.nproc, "torch": torch.__version__,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                       "results": results}, f, indent=1)
+    return 0
