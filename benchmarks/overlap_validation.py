@@ -7,8 +7,8 @@ At each world size, in one launch: an idle all-reduce sweep fits the network
 parameters, torch's bucket layout) trains `steps` steps after warm-up; every rank's
 recorded steps come back. Then, per world size n, from the median step of the slowest rank:
   idle, same n:        replay of the step recorded at n through the idle fit at n;
-  in-backward, same n: through the network fitted to the buckets of the *other* steps
-                       recorded at n (`fit_in_backward`, leave-one-out);
+  in-backward, same n: through the bandwidth the *other* steps recorded at n saw
+                       (`fit_in_backward`, leave-one-out; latency from the idle fit);
   idle, from 2:        replay of the step recorded at 2 ranks, at n, through the idle fit at
                        2 ranks (what a user extrapolating from a small run would do).
 The error is (predicted - measured) / measured of backward (start to end of finalize) and
@@ -78,7 +78,7 @@ def compare(runs: dict[int, dict]) -> list[dict]:
         idle = AlphaBeta(**run["network"])
         rows.append(_row("idle, same n", n, replay(step, idle, n), measured))
         rows.append(_row("in-backward, same n", n,
-                         replay(step, fit_in_backward(others, n), n), measured))
+                         replay(step, fit_in_backward(others, n, idle.alpha_s), n), measured))
         if n != base:
             rows.append(_row(f"idle, from {base}", n,
                              replay(base_step, AlphaBeta(**runs[base]["network"]), n), measured))

@@ -208,7 +208,20 @@ def test_fit_in_backward_inverts_the_replay():
     truth = AlphaBeta(alpha_s=0.4e-3, busbw_Bps=0.5e9)
     steps = [random_timeline(seed, comm_ns=lambda n: round(truth.allreduce_s(n, 2) * 1e9))[0]
              for seed in range(5)]
-    fit = fit_in_backward(steps, world_size=2)
-    # Durations were rounded to the ns: parameters agree to ~1e-6 relative.
-    assert fit.alpha_s == pytest.approx(truth.alpha_s, rel=1e-4)
+    fit = fit_in_backward(steps, world_size=2, alpha_s=truth.alpha_s)
+    # Durations were rounded to the ns: the bandwidth agrees to ~1e-6 relative.
+    assert fit.alpha_s == truth.alpha_s
     assert fit.busbw_Bps == pytest.approx(truth.busbw_Bps, rel=1e-4)
+    with pytest.raises(ValueError, match="less than the latency alone"):
+        fit_in_backward(steps, world_size=2, alpha_s=1.0)
+
+
+def test_fit_in_backward_counts_concurrent_collectives_once():
+    # Two 4 MB buckets in flight together (as Gloo's two threads run them), both done 10 ms
+    # after launch: the network was busy 10 ms for 8 MB, i.e. 0.8 GB/s with no latency.
+    raw = two_bucket_timeline()
+    t0 = raw["backward_start_ns"]
+    for b in raw["buckets"]:
+        b.update(nbytes=4_000_000, ready_ns=t0 + 12 * MS, launch_ns=t0 + 12 * MS,
+                 done_ns=t0 + 22 * MS)
+    assert fit_in_backward([raw], 2, alpha_s=0).busbw_Bps == pytest.approx(0.8e9, rel=1e-12)

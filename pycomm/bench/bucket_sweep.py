@@ -154,10 +154,10 @@ def _predict(cap: float, torch_step: StepReport, network: AlphaBeta, nbytes: lis
                   first_cap_bytes=MIB if cap == TORCH_CAP_MB else None, param_nbytes=nbytes)
 
 
-def _in_backward(reports: list[StepReport]) -> Optional[AlphaBeta]:
+def _in_backward(reports: list[StepReport], idle: AlphaBeta) -> Optional[AlphaBeta]:
     try:
-        return fit_in_backward(reports, dist.get_world_size())
-    except ValueError:  # e.g. one bucket size only: no bandwidth to fit
+        return fit_in_backward(reports, dist.get_world_size(), idle.alpha_s, idle.latency)
+    except ValueError:  # collectives faster than the idle latency: keep the idle network
         return None
 
 
@@ -173,7 +173,7 @@ def run(cfg: SweepConfig, make_model: Callable[[], nn.Module],
     torch_reports = measured[TORCH_CAP_MB][1]
     torch_step = _median_step(torch_reports)
     nbytes = trainers[TORCH_CAP_MB].param_nbytes(torch_step)
-    in_backward = _in_backward(torch_reports)
+    in_backward = _in_backward(torch_reports, network)
     torch_rounds = round_medians(_slowest(measured[TORCH_CAP_MB][0]), cfg.rounds)
     layouts: dict[tuple, float] = {}
     rows = []

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .model import AlphaBeta, Sample, fit_alpha_beta
+from .model import AlphaBeta
 from .report import UNUSED, StepReport, check_timeline, last_ready_ns, raw_timeline, union_length
 
 _NS = 1e-9
@@ -59,20 +59,30 @@ class Prediction:
 
 
 def fit_in_backward(steps: Sequence[StepReport | Mapping[str, Any]], world_size: int,
-                    latency: str = "constant") -> AlphaBeta:
-    """The network as recorded steps saw it: alpha-beta fitted to each bucket's service time,
-    done - max(launch, previous bucket's done) (Note [Replay rules] 2, inverted). On a
-    machine where backward's compute competes with communication for the cores this is
-    slower than an idle all-reduce sweep, and it is what a replay of those steps needs."""
-    samples = []
+                    alpha_s: float, latency: str = "constant") -> AlphaBeta:
+    """The network's bandwidth as recorded steps saw it, for a given latency `alpha_s`.
+
+    Per step, the time the network was busy (the union of the buckets' [launch, done]) is
+    taken as the sum of the collectives' times under Note [Replay rules] 2, which gives the
+    bandwidth; the latency must come from elsewhere (an idle sweep), because the steps'
+    buckets all differ in size and count alike. Bucket by bucket inversion would be wrong
+    on backends that run several collectives at once (Gloo has 2 threads): only the busy
+    total is meaningful there. On a machine where backward's compute competes with
+    communication for the cores this is slower than an idle sweep, and it is what a replay
+    of those steps needs."""
+    busy, moved = 0.0, 0.0
+    probe = AlphaBeta(alpha_s, 1.0, latency)
     for step in steps:
-        free = float("-inf")
-        for b in sorted(raw_timeline(step)["buckets"], key=lambda b: b["index"]):
-            service = b["done_ns"] - max(b["launch_ns"], free)
-            free = max(free, b["done_ns"])
-            if service > 0:
-                samples.append(Sample(b["nbytes"], service * _NS, world_size))
-    return fit_alpha_beta(samples, latency=latency)
+        raw = raw_timeline(step)
+        buckets = raw["buckets"]
+        busy += union_length([(b["launch_ns"], b["done_ns"]) for b in buckets]) * _NS
+        busy -= sum(probe.allreduce_s(0, world_size) for _ in buckets)
+        moved += sum(probe.allreduce_s(b["nbytes"], world_size) - probe.allreduce_s(0, world_size)
+                     for b in buckets)
+    if moved <= 0 or busy <= 0:
+        raise ValueError("fit_in_backward: the steps moved no bytes, or their collectives took "
+                         f"less than the latency alone ({alpha_s * 1e6:.0f} us each)")
+    return AlphaBeta(alpha_s, moved / busy, latency)
 
 
 def param_nbytes_from(step: StepReport | Mapping[str, Any], numels: Sequence[int]) -> list[int]:
