@@ -54,6 +54,7 @@ def format_what_if(rows: Sequence[WhatIf]) -> str:
         groups.setdefault((r.network, r.world_size), []).append(r)
     for (network, n), group in groups.items():
         cells = " ".join(_cell(r.prediction) for r in group)
-        best = min(group, key=lambda r: r.prediction.backward_s)
+        # Rounded to the us so that equal predictions tie, and a tie goes to the first cap.
+        best = min(group, key=lambda r: round(r.prediction.backward_s, 6))
         lines.append(f"{network:>16} {n:>6} {cells} {_cap_label(best.cap_bytes):>10}")
     return "\n".join(lines)
