@@ -119,3 +119,17 @@ def test_wrong_result_fails_the_command():
                 env={CORRUPT_ENV: "1"})
     assert proc.returncode == 1, proc.stderr
     assert "# Out of bounds values : 1 FAILED" in proc.stdout
+
+
+def test_under_torchrun_joins_its_world(tmp_path):
+    # --standalone: torchrun picks a free port and a local rendezvous, nothing fixed.
+    path = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "pycomm.bench", "collectives", "--backend", "gloo", "-b", "64", "-e", "64",
+         "-w", "0", "-n", "2", "--json", str(path)],
+        capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = Report.from_json(path.read_text())
+    assert report.meta.world == 2 and report.wrong == 0 and len(report.rows) == 1
+    assert proc.stdout.count("# Out of bounds values") == 1  # rank 0 prints alone

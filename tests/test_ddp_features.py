@@ -112,18 +112,22 @@ def _reduce_in_fp32(rank, world_size):
 
 
 def _join_uneven(rank, world_size):
-    for divide in (True, False):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    for divide, hook in ((True, False), (False, False), (True, True)):
         base = build("mlp")
         models = [TorchDDP(copy.deepcopy(base)),
-                  pycomm.DistributedDataParallel(copy.deepcopy(base))]
+                  pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-3)]
         for m in models:
+            if hook:  # joined ranks shadow the buckets through the hook
+                m.register_comm_hook(None, allreduce_hook)
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
             with m.join(divide_by_initial_world_size=divide):
                 for step in range(2 + 2 * rank):
                     opt.zero_grad()
                     loss_of(m(make_input("mlp", rank, step))).backward()
                     opt.step()
-        assert_same(models[0], models[1], f"join divide={divide}", exact=True, grads=False)
+        assert_same(models[0], models[1], f"join divide={divide} hook={hook}", exact=True,
+                    grads=False)
 
 
 def test_reduce_bf16_grads_in_fp32_and_join_uneven_inputs():
@@ -176,6 +180,20 @@ def _graph_features(rank, world_size):
             scaler.step(opt)
             scaler.update()
     assert_same(*models, "autocast+GradScaler", exact=True)
+    view = pycomm.DistributedDataParallel(build("mlp"), gradient_as_bucket_view=True)
+    loss_of(view(make_input("mlp", rank, 0))).backward()
+    for i, p in enumerate(view.module.parameters()):  # param.grad IS the bucket slot
+        assert p.grad.data_ptr() == view.reducer.grad_view(i).data_ptr()
+    branchy = pycomm.DistributedDataParallel(build("branchy"), find_unused_parameters=True)
+    loss_of(branchy(make_input("mlp", rank, 0))).backward()
+    tl = branchy.timelines(1)[-1]
+    unused = {n: t for n, t in zip(tl["param_names"], tl["param_ready_ns"]) if t < 0}
+    assert set(unused) == {"b.weight", "b.bias", "unused.weight", "unused.bias"}, unused
+    from torch.distributed.device_mesh import init_device_mesh
+    meshed = pycomm.DistributedDataParallel(build("mlp"), device_mesh=init_device_mesh(
+        "cpu", (world_size,)))
+    loss_of(meshed(make_input("mlp", rank, 0))).backward()
+    assert_same(view, meshed, "1-D device_mesh", exact=True)
     bn = pycomm.DistributedDataParallel(build("convbn"))
     with torch.no_grad():
         bn.module.bn.running_mean.fill_(float(rank))

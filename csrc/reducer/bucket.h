@@ -37,6 +37,8 @@ struct Bucket {
   int64_t ready_ns = -1;
   int64_t launch_ns = -1;
   std::atomic<int64_t> done_ns{-1};
+  int64_t ready_stamp = -1;               // device event ids (see Note [Timeline])
+  std::atomic<int64_t> done_stamp{-1};
 
   int64_t nbytes() const { return buffer.numel() * static_cast<int64_t>(buffer.element_size()); }
 };

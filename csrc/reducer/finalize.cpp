@@ -140,16 +140,24 @@ void Reducer::push_timeline(int64_t finalize_start_ns) {
     times.ready_ns = bucket->ready_ns;
     times.launch_ns = bucket->launch_ns;
     times.done_ns = bucket->done_ns.load();
+    times.ready_stamp = bucket->ready_stamp;
+    times.done_stamp = bucket->done_stamp.load();
     step.buckets.push_back(std::move(times));
   }
   step.finalize_start_ns = finalize_start_ns;
   step.finalize_end_ns = now_ns();
+  step.device = std::move(stamps_);
   timeline_.push(std::move(step));
 }
 
 std::vector<StepTimeline> Reducer::timelines(size_t n) const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return timeline_.last(n);
+  std::vector<StepTimeline> steps;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps = timeline_.last(n);
+  }
+  for (auto& step : steps) resolve_device_stamps(step);  // syncs device events; no lock held
+  return steps;
 }
 
 bool Reducer::should_rebuild_buckets() const {

@@ -124,6 +124,8 @@ void Reducer::reset_step() {
     bucket->future.reset();
     bucket->ready_ns = bucket->launch_ns = -1;
     bucket->done_ns.store(-1);
+    bucket->ready_stamp = -1;
+    bucket->done_stamp.store(-1);
   }
   used_future_.reset();
   backward_start_ns_ = -1;
@@ -191,6 +193,9 @@ void Reducer::on_backward_start() {
 void Reducer::begin_backward_locked() {
   state_ = State::kBackward;
   if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  const c10::Device device = buckets_.front()->buffer.device();
+  stamps_ = options_.record_timeline && !device.is_cpu()
+                ? std::make_shared<DeviceStamps>(device) : nullptr;
   scale_ = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(div_factor_));
   torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
     if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
@@ -221,6 +226,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   if (record_order_) order_.push_back(index);
   if (--bucket.pending == 0) {
     bucket.ready_ns = now_ns();
+    if (stamps_) bucket.ready_stamp = stamps_->stamp();
     launch_ready_buckets();
   }
 }
@@ -271,7 +277,10 @@ void Reducer::launch_ready_buckets() {
   }
   if (next_launch_ == buckets_.size() && track_used_) {
     // Usage is summed across ranks after the last bucket (see Note [Bucket order]).
-    at::Tensor used = local_used_.clone().to(buckets_.front()->buffer.device());
+    // On an accelerator: a pinned, non-blocking copy, so backward never waits for it.
+    const c10::Device device = buckets_.front()->buffer.device();
+    at::Tensor used = local_used_.clone();
+    if (!device.is_cpu()) used = used.pin_memory().to(device, /*non_blocking=*/true);
     used_future_ = comm::start_allreduce(pg_, used, c10d::ReduceOp::SUM)->getFuture();
   }
 }
@@ -283,9 +292,10 @@ void Reducer::launch(Bucket& bucket) {
   Bucket* target = &bucket;
   auto* callbacks = &post_done_;
   bucket.future = future->then(
-      [target, callbacks](c10::ivalue::Future& parent) -> c10::IValue {
+      [target, callbacks, stamps = stamps_](c10::ivalue::Future& parent) -> c10::IValue {
         at::Tensor out = result_tensor(parent.value());
         target->done_ns.store(now_ns());
+        if (stamps) target->done_stamp.store(stamps->stamp());
         if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
         for (auto& callback : *callbacks) callback(*target);
         return target->buffer;

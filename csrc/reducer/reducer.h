@@ -143,6 +143,7 @@ class Reducer {
 
   int64_t backward_start_ns_ = -1;
   std::vector<int64_t> ready_ns_;
+  std::shared_ptr<DeviceStamps> stamps_;  // this step's device events; null on CPU
   TimelineRing timeline_;
 };
 

@@ -2,9 +2,15 @@
 // Owns storage only; the reducer decides when to stamp.
 #pragma once
 
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,11 +23,32 @@ namespace pycomm::reducer {
 // (last grad in), launch (collective issued) and done (the collective's future completed,
 // stamped in its callback) times, and finalize start/end. That is one clock read per
 // parameter plus three per bucket: cheap enough to stay on by default.
+// On an accelerator a host read at hook time says when work was enqueued, not when it ran,
+// so bucket ready and done are also stamped with device events (DeviceStamps) on the
+// current stream, without any sync; they are converted to steady_clock ns only when the
+// timeline is read (timelines()), against an anchor event synchronized then.
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
+
+// Device events of one step (inactive on CPU). stamp() is thread-safe: buckets complete on
+// communication threads.
+class DeviceStamps {
+ public:
+  explicit DeviceStamps(std::optional<c10::Device> device) : device_(device) {}
+  bool active() const { return device_.has_value(); }
+  // Record an event on the device's current stream; its id, or -1 when inactive.
+  int64_t stamp();
+  // Wait for every event and convert each to steady_clock ns (index = id).
+  std::vector<int64_t> resolve() const;
+
+ private:
+  std::optional<c10::Device> device_;
+  mutable std::mutex mutex_;
+  std::vector<c10::Event> events_;
+};
 
 struct BucketTimes {
   int64_t index = 0;
@@ -30,6 +57,8 @@ struct BucketTimes {
   int64_t ready_ns = -1;
   int64_t launch_ns = -1;
   int64_t done_ns = -1;
+  int64_t ready_stamp = -1;  // DeviceStamps ids, -1 on CPU
+  int64_t done_stamp = -1;
 };
 
 struct StepTimeline {
@@ -40,7 +69,11 @@ struct StepTimeline {
   std::vector<BucketTimes> buckets;
   int64_t finalize_start_ns = -1;
   int64_t finalize_end_ns = -1;
+  std::shared_ptr<DeviceStamps> device;  // null on CPU
 };
+
+// Replace host stamps of a device step by its resolved device stamps.
+void resolve_device_stamps(StepTimeline& step);
 
 class TimelineRing {
  public:

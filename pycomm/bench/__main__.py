@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import collectives
+from . import collectives, ddp
 
-_COMMANDS = {"collectives": collectives}
+_COMMANDS = {"collectives": collectives, "ddp": ddp}
 
 
 class _Parser(argparse.ArgumentParser):

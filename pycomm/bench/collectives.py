@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import common
 from .collective_ops import COLLECTIVES, REDUCE_OPS
 from .collectives_run import DTYPE_ALIASES, DTYPES, OPS, Config, run, skipped
-from .report import format_table, write_csv, write_plot
+from .report import write_csv, write_plot
 from .sizes import format_size, parse_size, sweep
 
 DEFAULT_MIN, DEFAULT_MAX = "8", "16M"   # the quick default job: a few seconds on Gloo
@@ -280,4 +280,4 @@ def main(ns: argparse.Namespace) -> int:
     return 1 if report.wrong else 0
 
 
-__all__ = ["Config", "UsageError", "add_arguments", "configure", "format_table", "main", "run"]
+__all__ = ["Config", "UsageError", "add_arguments", "configure", "main", "run"]

@@ -121,6 +121,11 @@ def _measure(coll: Collective, s: Setting, placement: str, size: int, cfg: Confi
                    float(per_call.max()) * 1e6)
 
 
+def _progress(text: str) -> None:
+    """One self-erasing status line on stderr (only used when stderr is a terminal)."""
+    print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+
+
 def _meta(cfg: Config, backend: str) -> Meta:
     return Meta(__version__, torch.__version__, backend, dist.get_world_size(),
                 common.device_name(backend), platform.node(),
@@ -138,23 +143,21 @@ def run(cfg: Config, emit: Callable[[str], None] = lambda line: None) -> Report:
     emit(metadata_lines(meta, ",".join(cfg.collectives)))
     points = list(_points(cfg, world))
     rows, section = [], None
+    show = _progress if cfg.progress and rank == 0 else lambda _: None
     for i, (coll, dtype, op, size, count) in enumerate(points):
         if coll.name != section:
             section = coll.name
             emit(section_header(section, coll.placements))
-        if cfg.progress and rank == 0:
-            print(f"\r\033[K[{i + 1}/{len(points)}] {coll.name} {dtype} {op} "
-                  f"{format_size(size)}B", end="", file=sys.stderr, flush=True)
+        show(f"[{i + 1}/{len(points)}] {coll.name} {dtype} {op} {format_size(size)}B")
         s = Setting(rank, world, count, DTYPES[dtype][0], device, op if coll.reduces else "sum",
                     cfg.root)
         measures = tuple(_measure(coll, s, p, size, cfg) for p in coll.placements)
         type_name = "none" if not coll.moves_data else DTYPES[dtype][1]
         row = Row(coll.name, size, count, type_name, op,
                   cfg.root if coll.rooted else -1, measures)
+        show("")
         emit(format_row(row))
         rows.append(row)
-    if cfg.progress and rank == 0:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
     report = Report(meta, tuple(rows))
     emit(footer(report))
     return report
