@@ -55,10 +55,15 @@ def test_sweep_measures_every_cap_and_draws(tmp_path):
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_sweep_flags_parse():
+def test_sweep_is_a_mode_of_pycomm_bench_ddp():
     import argparse
 
+    from pycomm.bench import ddp
+
     p = argparse.ArgumentParser()
-    bucket_sweep.add_arguments(p)
-    ns = p.parse_args(["--sweep-bucket-cap", "--caps", "2,8", "--plot", ""])
+    ddp.add_arguments(p)
+    ns = p.parse_args(["--sweep-bucket-cap", "--caps", "2,8", "--plot", "", "--reps", "3"])
     assert ns.sweep_bucket_cap and ns.caps == (2.0, 8.0) and ns.plot == ""
+    cfg = bucket_sweep.config_from(ns)
+    assert (cfg.caps_mb, cfg.rounds, cfg.network) == ((2.0, 8.0), 3, None)
+    assert not p.parse_args([]).sweep_bucket_cap
