@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from . import _C
+from . import _C, overlap
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_join import DDPJoinHook, notify_join
 from .shm import same_host_group
@@ -311,6 +311,24 @@ class DistributedDataParallel(nn.Module, Joinable):
     def timelines(self, n: int = 1) -> list[dict]:
         """The reducer's last `n` step timelines (see Note [Timeline]), most recent last."""
         return self.reducer.timelines(n)
+
+    # ---- overlap reports (pycomm.overlap) --------------------------------------------
+
+    def step_reports(self, n: int = 1) -> list[overlap.StepReport]:
+        """Overlap reports of the last `n` synchronized steps, most recent last: backward,
+        communication, exposed communication, overlap and one row per bucket."""
+        return overlap.step_reports(self.timelines(n), self.config.record_timeline)
+
+    def last_step_report(self) -> Optional[overlap.StepReport]:
+        """The last synchronized step's overlap report (None before the first)."""
+        reports = self.step_reports(1)
+        return reports[-1] if reports else None
+
+    def export_chrome_trace(self, path: str, all_ranks: bool = False) -> Optional[str]:
+        """Write the recorded steps as a Chrome/Perfetto trace; with all_ranks=True every
+        rank must call it and rank 0 writes all ranks' steps. Returns the path written."""
+        return overlap.write_chrome_trace(path, self.step_reports(self.config.timeline_steps),
+                                          all_ranks=all_ranks, group=self.process_group)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names) -> None:

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from ..ddp import DistributedDataParallel as PycommDDP
-from . import common
+from . import bucket_sweep, common
 
 MODELS = ("mlp", "transformer")
 IMPLS = {"torch": TorchDDP, "pycomm": PycommDDP}
@@ -146,9 +146,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=Config.warmup)
     p.add_argument("--threads", type=int, default=Config.threads, help="compute threads/rank")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
+    bucket_sweep.add_arguments(p)
 
 
 def main(ns: argparse.Namespace) -> int:
+    if ns.sweep_bucket_cap:
+        return bucket_sweep.main(ns)
     cfg = Config(tuple(ns.models.split(",")), ns.bucket_cap_mb, ns.warmup, ns.reps, ns.steps,
                  ns.threads)
     backend = ns.backend or common.default_backend(ns.nproc)
