@@ -43,6 +43,7 @@ def _shadow_backward(ddp: DistributedDataParallel) -> None:
     if ddp.config.find_unused_parameters:
         used = torch.zeros(len(ddp._named_params), dtype=torch.int32, device=ddp.device)
         dist.all_reduce(used, group=ddp._gradient_pg)
+    ddp.reducer.note_shadowed_step()
 
 
 class DDPJoinHook(JoinHook):

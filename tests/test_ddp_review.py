@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 from ddp_models import assert_same, loss_of
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -66,4 +67,26 @@ def _mixed_ignored_accumulate(rank, world_size):
 
 def test_mixed_dtypes_ignored_params_accumulation_and_eval_backward():
     run_ranks(_mixed_ignored_accumulate, 2, deadline_s=120)
+
+
+def _join_zero_batches(rank, world_size):
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    pair = (TorchDDP(copy.deepcopy(base), bucket_cap_mb=1e-6),
+            pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-6))
+    steps = 0 if rank == 1 else 3  # rank 1 has no data at all: joins before any step
+    for ddp in pair:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        with ddp.join():
+            for step in range(steps):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(step)
+                loss_of(ddp(torch.randn(4, 8, generator=g))).backward()
+                opt.step()
+    assert_same(pair[0], pair[1], "join with an empty rank", exact=True, grads=False)
+    dist.barrier()
+
+
+def test_join_with_a_rank_that_has_no_batches():
+    run_ranks(_join_zero_batches, 2, group_timeout_s=20, deadline_s=60)
 

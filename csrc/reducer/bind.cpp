@@ -95,6 +95,7 @@ void bind_reducer(py::module& m) {
       .def("prepare_no_sync", &Reducer::prepare_no_sync)
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::arg("assignment"))
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
+      .def("note_shadowed_step", &Reducer::note_shadowed_step)
       .def("ready_order", &Reducer::ready_order)
       .def("bucket_indices", &bucket_indices)
       .def("grad_view", &Reducer::grad_view, py::arg("index"))
