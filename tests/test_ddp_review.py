@@ -7,7 +7,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, loss_of
+from ddp_models import assert_same, loss_of, manual_average
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -90,3 +90,44 @@ def _join_zero_batches(rank, world_size):
 def test_join_with_a_rank_that_has_no_batches():
     run_ranks(_join_zero_batches, 2, group_timeout_s=20, deadline_s=60)
 
+
+def _raise(grad):
+    raise RuntimeError("injected failure in backward")
+
+
+def _failed_backward_then_no_sync(rank, world_size):
+    """A backward that fails after buckets launched, then a no_sync forward: the reducer
+    drains the launched collectives, whose completion runs Python (torch's allreduce_hook
+    chains a Python `then`). Holding the GIL while draining would deadlock."""
+    import time
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    ddp = pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-6)
+    ddp.register_comm_hook(None, allreduce_hook)
+    handle = ddp.module[0].weight.register_hook(_raise)
+    out = ddp(torch.randn(4, 8))
+    if rank == 1:
+        time.sleep(2)  # rank 0's launched buckets stay pending while it moves on
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "injected failure" in str(e), e
+    handle.remove()
+    try:
+        with ddp.no_sync():
+            ddp(torch.randn(4, 8))
+    except RuntimeError as e:
+        assert "did not receive a gradient" in str(e), e
+    ddp.zero_grad()  # the failed backward left some local grads behind
+    plain = copy.deepcopy(base)
+    for m in (ddp, plain):
+        g = torch.Generator().manual_seed(rank)
+        loss_of(m(torch.randn(4, 8, generator=g))).backward()
+    manual_average(plain)
+    assert_same(plain, ddp.module, "the step after a failed backward", exact=True)
+
+
+def test_failed_backward_then_no_sync_forward_does_not_deadlock():
+    run_ranks(_failed_backward_then_no_sync, 2, group_timeout_s=20, deadline_s=40)
