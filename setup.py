@@ -38,8 +38,11 @@ def _extension():
         macros.append(("PYCOMM_WITH_CUDA", None))
         args["nvcc"] = opt + ["-lineinfo"]
         kind = CUDAExtension
+    # at::parallel_for is an inline OpenMP region: without -fopenmp it silently runs on one
+    # thread. The runtime linked is libgomp.so.1, the soname torch itself loads: one pool.
+    args["cxx"].append("-fopenmp")
     return kind("pycomm._C", sources, include_dirs=[os.path.abspath("csrc")],
-                define_macros=macros, extra_compile_args=args)
+                define_macros=macros, extra_compile_args=args, extra_link_args=["-fopenmp"])
 
 
 setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})

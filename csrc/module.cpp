@@ -6,6 +6,7 @@
 
 #include "comm/c10d.h"
 #include "reducer/bind.h"
+#include "shm/bind.h"
 
 namespace pycomm {
 
@@ -17,6 +18,8 @@ void allreduce_(const comm::ProcessGroupPtr& pg, at::Tensor tensor, const std::s
   work->wait();
 }
 
+void bind_clip(pybind11::module& m);  // csrc/grad/clip_bind.cpp
+
 }  // namespace pycomm
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -25,6 +28,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("op") = "sum",
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
   pycomm::bind_reducer(m);
+  pycomm::bind_clip(m);
+  pycomm::bind_shm(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA
       true

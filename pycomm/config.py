@@ -65,6 +65,13 @@ class DDPConfig:
     already in a wider dtype are unaffected. With it, gradient_as_bucket_view cannot make
     param.grad a bucket view for those parameters (dtypes differ); they are copied."""
 
+    shared_memory_gradients: bool = True
+    """Reduce gradients through pycomm's shared-memory backend ("pycomm", see
+    pycomm/shm.py) when the process group is a Gloo group whose ranks all run on this
+    host: a "pycomm" group over the same ranks is made once (cached per group) and used
+    for the gradient collectives only; the process group itself stays untouched for
+    everything else. False keeps every gradient collective on the process group."""
+
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _C
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_join import DDPJoinHook, notify_join
+from .shm import same_host_group
 
 _UNIMPLEMENTED = {  # torch argument -> its value that pycomm implements
     "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
@@ -30,9 +31,12 @@ _UNIMPLEMENTED = {  # torch argument -> its value that pycomm implements
 
 
 def _gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
-    """The group gradient collectives run on: the one place that choice is made (a
-    same-host shared-memory group may be returned here later, issue 7)."""
-    return process_group
+    """The group gradient collectives run on: the one place that choice is made. A Gloo
+    group whose ranks share this host gets a shared-memory "pycomm" group over the same
+    ranks (config.shared_memory_gradients), anything else keeps `process_group`."""
+    if not config.shared_memory_gradients:
+        return process_group
+    return same_host_group(process_group) or process_group
 
 
 def _find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -287,6 +291,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         finally:
             self.require_backward_grad_sync = old
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the synchronized gradients, as torch.nn.utils.clip_grad_norm_ on them would;
+        each bucket's norm is computed as its collective completes. See pycomm/clip.py."""
+        from .clip import clip_ddp_grad_norm_
+        return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's protocol: hook(state, dist.GradBucket) -> torch.futures.Future[Tensor]."""
         if not callable(hook):
@@ -332,7 +343,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __getstate__(self) -> dict:
         attrs = copy.copy(self.__dict__)
-        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook"):
+        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook", "_bucket_norms"):
             attrs.pop(key, None)
         return attrs
 

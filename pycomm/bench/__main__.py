@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import collectives, ddp
+from . import clip, collectives, ddp
 
-_COMMANDS = {"collectives": collectives, "ddp": ddp}
+_COMMANDS = {"collectives": collectives, "ddp": ddp, "clip": clip}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,0 +1,111 @@
+// pycomm::clip_grad_norm_: torch.nn.utils.clip_grad_norm_ composed from the fused ops in one
+// call, so a list of a thousand gradients crosses from Python once. Device-independent: it
+// calls norm_partial / clip_coef / scale_ through the dispatcher, which picks the CPU or
+// CUDA kernels. Host syncs: none, except the check error_if_nonfinite asks for (as torch).
+#include <ATen/ops/add.h>
+#include <ATen/ops/isfinite.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "grad/clip.h"
+#include "grad/grad_math.h"
+
+namespace pycomm {
+namespace {
+
+at::Tensor call_norm_partial(at::TensorList ts, double norm_type) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::norm_partial", "")
+                       .typed<at::Tensor(at::TensorList, double)>();
+  return op.call(ts, norm_type);
+}
+
+std::tuple<at::Tensor, at::Tensor> call_clip_coef(const at::Tensor& partial, double norm_type,
+                                                  double max_norm, at::ScalarType dtype) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::clip_coef", "")
+                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double, double,
+                                                                 at::ScalarType)>();
+  return op.call(partial, norm_type, max_norm, dtype);
+}
+
+void call_scale(at::TensorList ts, const at::Tensor& factor) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pycomm::scale_", "")
+                       .typed<void(at::TensorList, const at::Tensor&)>();
+  op.call(ts, factor);
+}
+
+// The gradients split by device, first-seen order (usually one group: then no copy).
+struct DeviceGroups {
+  std::vector<c10::Device> devices;
+  std::vector<std::vector<at::Tensor>> tensors;
+};
+
+DeviceGroups split_by_device(at::TensorList grads) {
+  DeviceGroups g;
+  for (const auto& t : grads) {
+    size_t i = 0;
+    while (i < g.devices.size() && g.devices[i] != t.device()) ++i;
+    if (i == g.devices.size()) {
+      g.devices.push_back(t.device());
+      g.tensors.emplace_back();
+    }
+    g.tensors[i].push_back(t);
+  }
+  return g;
+}
+
+// The dtype torch's total norm has: per-tensor norms keep their gradient's dtype, and
+// torch.stack promotes them.
+at::ScalarType norm_dtype(at::TensorList grads) {
+  at::ScalarType dtype = grads[0].scalar_type();
+  for (const auto& t : grads) dtype = c10::promoteTypes(dtype, t.scalar_type());
+  return dtype;
+}
+
+}  // namespace
+
+at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double norm_type,
+                               bool error_if_nonfinite) {
+  constexpr const char* op = "pycomm::clip_grad_norm_";
+  TORCH_CHECK(!grads.empty(), op, ": grads must hold at least one tensor");
+  for (size_t i = 0; i < grads.size(); ++i)
+    TORCH_CHECK(at::isFloatingType(grads[i].scalar_type()), op, ": grads[", i,
+                "] must be a floating-point tensor, got ", grads[i].scalar_type());
+  const NormKind kind = norm_kind(norm_type, op);
+  const bool one_device = std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& t) {
+    return t.device() == grads[0].device();
+  });
+  const DeviceGroups groups = one_device ? DeviceGroups{} : split_by_device(grads);
+  at::Tensor partial;
+  if (one_device) {
+    partial = call_norm_partial(grads, norm_type);
+  } else {  // merge per-device partials on the first device. See Note [Norm partials]
+    for (const auto& ts : groups.tensors) {
+      const auto p = call_norm_partial(ts, norm_type).to(groups.devices[0]);
+      partial = !partial.defined() ? p : kind == NormKind::kInf ? at::maximum(partial, p) : at::add(partial, p);
+    }
+  }
+  auto [total, coef] = call_clip_coef(partial, norm_type, max_norm, norm_dtype(grads));
+  TORCH_CHECK(!error_if_nonfinite || at::isfinite(total).item<bool>(),
+              "The total norm of order ", norm_type, " for gradients from `parameters` is "
+              "non-finite, so it cannot be clipped. To disable this error and scale the "
+              "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
+  if (one_device) {
+    call_scale(grads, coef);
+  } else {
+    for (size_t i = 0; i < groups.devices.size(); ++i)
+      call_scale(groups.tensors[i], coef.to(groups.devices[i]));
+  }
+  return total;
+}
+
+TORCH_LIBRARY_IMPL(pycomm, CompositeExplicitAutograd, m) {
+  m.impl("clip_grad_norm_", &clip_grad_norm_impl);
+}
+
+}  // namespace pycomm

@@ -1,0 +1,147 @@
+// The CPU inner loops of the fused gradient ops, one span piece at a time, written once
+// and compiled once per CPU capability: grad_cpu.cpp includes this file with ATen's
+// default at::vec (portable), grad_cpu_avx2.cpp with its AVX2 + FMA at::vec, each inside
+// its own namespace PYCOMM_CPU_NS; cpu_pieces.h picks one at run time. No include guard
+// on purpose: it is included exactly once per translation unit, after the at::vec headers.
+#ifndef PYCOMM_CPU_NS
+#error "define PYCOMM_CPU_NS (and include the at::vec headers) before including cpu_kernels.h"
+#endif
+
+#include <ATen/Dispatch.h>
+
+#include <utility>
+
+#include "grad/grad_math.h"
+
+namespace pycomm {
+namespace PYCOMM_CPU_NS {
+
+// Two opmath vectors' worth of T at a time: float/double load two vectors, half/bfloat16
+// load one and widen it, so every dtype steps by the same count within one opmath type.
+template <typename T>
+struct OpmathVec {
+  using Acc = at::opmath_type<T>;
+  using Vec = at::vec::Vectorized<Acc>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static std::pair<Vec, Vec> load(const T* p) {
+    if constexpr (std::is_same_v<T, Acc>) {
+      return {Vec::loadu(p), Vec::loadu(p + Vec::size())};
+    } else {
+      static_assert(at::vec::Vectorized<T>::size() == kStep);
+      auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+      return {a, b};
+    }
+  }
+  static void store(T* p, const Vec& a, const Vec& b) {
+    if constexpr (std::is_same_v<T, Acc>) {
+      a.store(p);
+      b.store(p + Vec::size());
+    } else {
+      at::vec::convert_from_float<T>(a, b).store(p);
+    }
+  }
+};
+
+template <NormKind K, typename Vec>
+Vec vec_norm_step(const Vec& acc, const Vec& x, const Vec& p) {
+  if constexpr (K == NormKind::kOne) return acc + x.abs();
+  else if constexpr (K == NormKind::kTwo) return at::vec::fmadd(x, x, acc);
+  else if constexpr (K == NormKind::kInf) return at::vec::maximum(acc, x.abs());
+  else return acc + x.abs().pow(p);
+}
+
+// The norm partial of n elements (See Note [Norm partials]); nonfinite is 0 or nan here.
+template <NormKind K, typename T>
+std::pair<double, double> norm_piece(const T* x, int64_t n, double p) {
+  using OV = OpmathVec<T>;
+  using Acc = typename OV::Acc;
+  using Vec = typename OV::Vec;
+  const Vec pv(static_cast<Acc>(p));
+  Vec acc0(Acc(0)), acc1(Acc(0)), nf0(Acc(0)), nf1(Acc(0));
+  int64_t i = 0;
+  for (; i + OV::kStep <= n; i += OV::kStep) {
+    auto [a, b] = OV::load(x + i);
+    acc0 = vec_norm_step<K>(acc0, a, pv);
+    acc1 = vec_norm_step<K>(acc1, b, pv);
+    nf0 = nf0 + (a - a);
+    nf1 = nf1 + (b - b);
+  }
+  const auto combine = [](const Vec& u, const Vec& v) {
+    if constexpr (K == NormKind::kInf) return at::vec::maximum(u, v);
+    else return u + v;
+  };
+  Acc acc = at::vec::vec_reduce_all<Acc>(combine, combine(acc0, acc1));
+  Acc nf = at::vec::vec_reduce_all<Acc>([](const Vec& u, const Vec& v) { return u + v; },
+                                        nf0 + nf1);
+  for (; i < n; ++i) {
+    const Acc v = static_cast<Acc>(x[i]);
+    acc = norm_step<K, Acc>(acc, v, static_cast<Acc>(p));
+    nf += v - v;
+  }
+  return {static_cast<double>(acc), static_cast<double>(nf)};
+}
+
+// x *= c over one span piece, in opmath.
+template <typename T>
+void scale_piece(T* x, int64_t n, at::opmath_type<T> c) {
+  using OV = OpmathVec<T>;
+  const typename OV::Vec cv(c);
+  int64_t i = 0;
+  for (; i + OV::kStep <= n; i += OV::kStep) {
+    auto [a, b] = OV::load(x + i);
+    OV::store(x + i, a * cv, b * cv);
+  }
+  for (; i < n; ++i) x[i] = static_cast<T>(static_cast<at::opmath_type<T>>(x[i]) * c);
+}
+
+// acc += scale * grad over one span piece; TA is TG or float32 (then TG is half/bfloat16).
+template <typename TA, typename TG>
+void accumulate_piece(TA* acc, const TG* grad, int64_t n, at::opmath_type<TA> scale) {
+  using OA = OpmathVec<TA>;
+  using OG = OpmathVec<TG>;
+  static_assert(OA::kStep == OG::kStep);
+  const typename OA::Vec sv(scale);
+  int64_t i = 0;
+  for (; i + OA::kStep <= n; i += OA::kStep) {
+    auto [a0, a1] = OA::load(acc + i);
+    auto [g0, g1] = OG::load(grad + i);
+    OA::store(acc + i, at::vec::fmadd(g0, sv, a0), at::vec::fmadd(g1, sv, a1));
+  }
+  for (; i < n; ++i) acc[i] = scaled_add<TA, TG>(acc[i], grad[i], scale);
+}
+
+// Type-erased entry points: what cpu_pieces.h's table points at.
+inline void norm_piece_any(NormKind kind, at::ScalarType dtype, const void* x, int64_t n,
+                           double p, double* acc, double* nf) {
+  with_norm_kind(kind, [&](auto k) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "norm_piece", [&] {
+      const auto [a, f] = norm_piece<decltype(k)::value, scalar_t>(static_cast<const scalar_t*>(x), n, p);
+      *acc = a;
+      *nf = f;
+    });
+  });
+}
+
+inline void scale_piece_any(at::ScalarType dtype, void* x, int64_t n, double c) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "scale_piece", [&] {
+    scale_piece<scalar_t>(static_cast<scalar_t*>(x), n, static_cast<at::opmath_type<scalar_t>>(c));
+  });
+}
+
+// acc_dtype is grad_dtype, or float32 for a half/bfloat16 grad (check_accumulate_pair).
+inline void accumulate_piece_any(at::ScalarType acc_dtype, at::ScalarType grad_dtype, void* acc,
+                                 const void* grad, int64_t n, double scale) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad_dtype, "accumulate_piece", [&] {
+    using TG = scalar_t;
+    if (acc_dtype == grad_dtype) {
+      accumulate_piece<TG, TG>(static_cast<TG*>(acc), static_cast<const TG*>(grad), n,
+                               static_cast<at::opmath_type<TG>>(scale));
+    } else if constexpr (!std::is_same_v<TG, float> && !std::is_same_v<TG, double>) {
+      accumulate_piece<float, TG>(static_cast<float*>(acc), static_cast<const TG*>(grad), n,
+                                  static_cast<float>(scale));
+    }
+  });
+}
+
+}  // namespace PYCOMM_CPU_NS
+}  // namespace pycomm

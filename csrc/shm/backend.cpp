@@ -1,0 +1,311 @@
+// Argument checks and queueing of every operation of ShmBackend (see backend.h).
+#include "shm/backend.h"
+
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include <thread>
+
+#include "shm/reduce_kernels.h"
+
+namespace pycomm::shm {
+
+namespace {
+
+// Per round and rank (two slots per rank). Measured at 2 ranks: 1 MiB takes 20% less CPU
+// per byte than 4 MiB from 4 MiB up (the slots stay in cache), within 20% of 256 KiB.
+constexpr size_t kSlotBytes = 1 << 20;
+constexpr size_t kMailboxBytes = 256 << 10;  // per ordered pair of ranks (send/recv)
+
+void check_dense(const char* op, const at::Tensor& t) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() && t.layout() == at::kStrided, "pycomm ", op,
+                    ": needs dense CPU tensors, got a ", t.layout(), " tensor on ", t.device());
+}
+
+const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(tensors.size() == 1, "pycomm ", op, ": expects one tensor per call, got ",
+                    tensors.size());
+  check_dense(op, tensors[0]);
+  return tensors[0];
+}
+
+void check_rank(const char* op, const char* what, int64_t r, int world) {
+  TORCH_CHECK_VALUE(r >= 0 && r < world, "pycomm ", op, ": ", what, " ", r,
+                    " is outside the group (size ", world, ")");
+}
+
+void check_like(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel) {
+  check_dense(op, t);
+  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type() && t.numel() == numel, "pycomm ", op,
+                    ": expected a ", like.scalar_type(), " tensor of ", numel,
+                    " elements, got ", t.scalar_type(), " with ", t.numel());
+}
+
+// A contiguous stand-in for a user tensor, copied back by write_back() when it differs.
+struct Dense {
+  at::Tensor user, work;
+  explicit Dense(const at::Tensor& t) : user(t), work(t.is_contiguous() ? t : t.contiguous()) {}
+  char* data() const { return static_cast<char*>(work.data_ptr()); }
+  size_t bytes() const { return work.nbytes(); }
+  void write_back() {
+    if (!work.is_same(user)) user.copy_(work);
+  }
+};
+
+// Byte offsets and lengths of the dim-0 blocks of `t` given split sizes (even if empty).
+Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& sizes,
+             int world) {
+  const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
+  const size_t row_bytes = rows == 0 ? 0 : t.nbytes() / rows;
+  std::vector<int64_t> counts = sizes;
+  if (counts.empty()) {
+    TORCH_CHECK_VALUE(rows % world == 0, "pycomm ", op, ": dim 0 (", rows,
+                      ") does not split evenly over ", world, " ranks");
+    counts.assign(world, rows / world);
+  }
+  TORCH_CHECK_VALUE(static_cast<int>(counts.size()) == world, "pycomm ", op, ": ",
+                    counts.size(), " split sizes for ", world, " ranks");
+  Split s;
+  size_t off = 0;
+  for (int64_t c : counts) {
+    s.offset.push_back(off);
+    s.bytes.push_back(c * row_bytes);
+    off += c * row_bytes;
+  }
+  TORCH_CHECK_VALUE(off == t.nbytes(), "pycomm ", op, ": split sizes cover ", off,
+                    " bytes of a ", t.nbytes(), "-byte tensor");
+  return s;
+}
+
+}  // namespace
+
+ShmBackend::ShmBackend(const std::string& name, int rank, int size,
+                       std::chrono::milliseconds timeout, bool create)
+    : c10d::Backend(rank, size), timeout_(timeout) {
+  auto segment = std::make_unique<Segment>(name, rank, size, kSlotBytes, kMailboxBytes, create);
+  // Spinning pays only when every rank can have a core of its own.
+  bool spin = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
+  channel_ = std::make_unique<Channel>(std::move(segment), rank, spin);
+  collectives_ = std::make_shared<Executor>();
+  sends_ = std::make_shared<Executor>();
+  receives_ = std::make_shared<Executor>();
+}
+
+ShmBackend::~ShmBackend() { stop(); }
+
+void ShmBackend::stop() {
+  for (const auto& lane : {collectives_, sends_, receives_}) lane->shutdown();
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType type,
+                                                   std::vector<at::Tensor> outputs,
+                                                   Body body, const Lane& lane) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
+  uint64_t seq = next_seq_++;
+  lane->submit(work, [this, op, seq, body = std::move(body)] { run(op, seq, body); });
+  return work;
+}
+
+void ShmBackend::run(const char* op, uint64_t seq, const Body& body) {
+  OpContext ctx{op, seq, rank_, timeout_, Clock::now() + timeout_};
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (!failure_.empty()) {
+      throw_op_error(ctx, "the group is unusable after an earlier failure: " + failure_);
+    }
+  }
+  auto remember = [this](const std::string& what) {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failure_.empty()) failure_ = what;
+  };
+  try {
+    body(ctx);
+  } catch (const c10::Error& e) {
+    remember(e.what_without_backtrace());
+    throw;
+  } catch (const std::exception& e) {
+    remember(e.what());
+    throw;
+  }
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
+                                                     const c10d::BroadcastOptions& opts) {
+  const at::Tensor& t = single("broadcast", tensors);
+  int root = static_cast<int>(opts.rootRank);
+  check_rank("broadcast", "root", root, size_);
+  return enqueue("broadcast", c10d::OpType::BROADCAST, {t}, [this, t, root](const OpContext& c) {
+    Dense d(t);
+    channel_->broadcast(d.data(), d.bytes(), root, c);
+    d.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceOptions& opts) {
+  const at::Tensor& t = single("all_reduce", tensors);
+  check_reduction("all_reduce", t.scalar_type(), opts.reduceOp);
+  auto op = opts.reduceOp.op_;
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t}, [this, t, op](const OpContext& c) {
+    Dense d(t);
+    channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, c);
+    d.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(
+    std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
+  for (const auto& t : tensors) {
+    check_dense("all_reduce_coalesced", t);
+    check_reduction("all_reduce_coalesced", t.scalar_type(), opts.reduceOp);
+  }
+  auto op = opts.reduceOp.op_;
+  return enqueue("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
+                 [this, tensors, op](const OpContext& c) {
+                   for (const auto& t : tensors) {
+                     Dense d(t);
+                     channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, c);
+                     d.write_back();
+                   }
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce(std::vector<at::Tensor>& tensors,
+                                                  const c10d::ReduceOptions& opts) {
+  const at::Tensor& t = single("reduce", tensors);
+  check_reduction("reduce", t.scalar_type(), opts.reduceOp);
+  int root = static_cast<int>(opts.rootRank);
+  check_rank("reduce", "root", root, size_);
+  auto op = opts.reduceOp.op_;
+  return enqueue("reduce", c10d::OpType::REDUCE, {t}, [this, t, op, root](const OpContext& c) {
+    Dense d(t);
+    channel_->reduce(d.data(), d.work.numel(), t.scalar_type(), op, root, c);
+    d.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::gather_into(const char* op,
+                                                       std::vector<at::Tensor> outs,
+                                                       const at::Tensor& input) {
+  return enqueue(op, c10d::OpType::ALLGATHER, outs, [this, outs, input](const OpContext& c) {
+    Dense in(input);
+    std::vector<Dense> dense;
+    std::vector<char*> ptrs;
+    dense.reserve(outs.size());
+    for (const auto& o : outs) {
+      dense.emplace_back(o);
+      ptrs.push_back(dense.back().data());
+    }
+    channel_->allgather(in.data(), in.bytes(), ptrs, c);
+    for (auto& d : dense) d.write_back();
+  });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allgather(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& /*opts*/) {
+  const at::Tensor& in = single("all_gather", inputs);
+  TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
+                    "pycomm all_gather: expects one list of ", size_, " output tensors");
+  for (const auto& o : outputs[0]) check_like("all_gather", o, in, in.numel());
+  return gather_into("all_gather", outputs[0], in);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                           const c10d::AllgatherOptions&) {
+  check_dense("all_gather_into_tensor", input);
+  check_like("all_gather_into_tensor", output, input, input.numel() * size_);
+  TORCH_CHECK_VALUE(output.is_contiguous(),
+                    "pycomm all_gather_into_tensor: the output tensor must be contiguous");
+  at::Tensor flat = output.reshape({-1});
+  std::vector<at::Tensor> blocks;
+  for (int r = 0; r < size_; ++r) blocks.push_back(flat.narrow(0, r * input.numel(), input.numel()));
+  return gather_into("all_gather_into_tensor", blocks, input);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(
+    std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  const at::Tensor& out = single("reduce_scatter", outputs);
+  TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
+                    "pycomm reduce_scatter: expects one list of ", size_, " input tensors");
+  for (const auto& i : inputs[0]) check_like("reduce_scatter", i, out, out.numel());
+  check_reduction("reduce_scatter", out.scalar_type(), opts.reduceOp);
+  auto op = opts.reduceOp.op_;
+  auto ins = inputs[0];
+  return enqueue("reduce_scatter", c10d::OpType::REDUCE_SCATTER, {out},
+                 [this, out, ins, op](const OpContext& c) {
+                   std::vector<at::Tensor> flat;
+                   for (const auto& i : ins) flat.push_back(i.reshape({-1}));
+                   at::Tensor in = at::cat(flat);
+                   Dense d(out);
+                   channel_->reduce_scatter(static_cast<char*>(in.data_ptr()), d.data(),
+                                            out.numel(), out.scalar_type(), op, c);
+                   d.write_back();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  check_dense("reduce_scatter_tensor", output);
+  check_like("reduce_scatter_tensor", input, output, output.numel() * size_);
+  check_reduction("reduce_scatter_tensor", output.scalar_type(), opts.reduceOp);
+  auto op = opts.reduceOp.op_;
+  return enqueue("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [this, output, input, op](const OpContext& c) {
+                   Dense in(input), out(output);
+                   channel_->reduce_scatter(in.data(), out.data(), output.numel(),
+                                            output.scalar_type(), op, c);
+                   out.write_back();
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
+                                                         std::vector<int64_t>& output_splits,
+                                                         std::vector<int64_t>& input_splits,
+                                                         const c10d::AllToAllOptions&) {
+  check_dense("all_to_all_single", input);
+  check_dense("all_to_all_single", output);
+  TORCH_CHECK_VALUE(input.scalar_type() == output.scalar_type(),
+                    "pycomm all_to_all_single: input is ", input.scalar_type(), ", output is ",
+                    output.scalar_type());
+  Split send = splits("all_to_all_single", input, input_splits, size_);
+  Split recv = splits("all_to_all_single", output, output_splits, size_);
+  return enqueue("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {output},
+                 [this, output, input, send, recv](const OpContext& c) {
+                   Dense in(input), out(output);
+                   channel_->alltoall(in.data(), send, out.data(), recv, c);
+                   out.write_back();
+                 });
+}
+
+// Messages between two ranks match in issue order; `tag` is not used for matching.
+c10::intrusive_ptr<c10d::Work> ShmBackend::send(std::vector<at::Tensor>& tensors, int dst,
+                                                int /*tag*/) {
+  const at::Tensor& t = single("send", tensors);
+  check_rank("send", "destination rank", dst, size_);
+  TORCH_CHECK_VALUE(dst != rank_, "pycomm send: rank ", rank_, " cannot send to itself");
+  return enqueue("send", c10d::OpType::SEND, {t}, [this, t, dst](const OpContext& c) {
+    Dense d(t);
+    channel_->send(d.data(), d.bytes(), dst, c);
+  }, sends_);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::recv(std::vector<at::Tensor>& tensors, int src,
+                                                int /*tag*/) {
+  const at::Tensor& t = single("recv", tensors);
+  check_rank("recv", "source rank", src, size_);
+  TORCH_CHECK_VALUE(src != rank_, "pycomm recv: rank ", rank_, " cannot receive from itself");
+  return enqueue("recv", c10d::OpType::RECV, {t}, [this, t, src](const OpContext& c) {
+    Dense d(t);
+    channel_->recv(d.data(), d.bytes(), src, c);
+    d.write_back();
+  }, receives_);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::barrier(const c10d::BarrierOptions&) {
+  return enqueue("barrier", c10d::OpType::BARRIER, {},
+                 [this](const OpContext& c) { channel_->barrier(c); });
+}
+
+}  // namespace pycomm::shm

@@ -1,0 +1,87 @@
+// ShmBackend: the c10d::Backend registered as "pycomm". It checks arguments, makes
+// tensors contiguous, and queues each operation on one of three Executors (lanes):
+// collectives, sends, receives. Each lane completes in issue order; sends and receives
+// have their own so that two ranks may both send before they receive. The algorithms live
+// in collectives.h. Operations it does not implement raise c10d's "does not support".
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "comm/c10d.h"
+#include "shm/collectives.h"
+#include "shm/work.h"
+
+namespace pycomm::shm {
+
+class ShmBackend : public c10d::Backend {
+ public:
+  // Map segment `name` (rank 0 creates it); the caller unlinks it once all ranks mapped it.
+  ShmBackend(const std::string& name, int rank, int size, std::chrono::milliseconds timeout,
+             bool create);
+  ~ShmBackend() override;
+
+  const std::string getBackendName() const override { return "pycomm"; }
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
+                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+#if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
+  void shutdown() override { stop(); }
+#endif
+
+ private:
+  using Body = std::function<void(const OpContext&)>;
+  using Lane = std::shared_ptr<Executor>;
+  // Queue `body` as operation `op` on `lane`; its Work's result() and future hold `outputs`.
+  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+                                         std::vector<at::Tensor> outputs, Body body,
+                                         const Lane& lane);
+  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+                                         std::vector<at::Tensor> outputs, Body body) {
+    return enqueue(op, type, std::move(outputs), std::move(body), collectives_);
+  }
+  void stop();
+  void run(const char* op, uint64_t seq, const Body& body);
+  c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
+                                             const at::Tensor& input);
+
+  std::unique_ptr<Channel> channel_;
+  std::chrono::milliseconds timeout_;
+  Lane collectives_, sends_, receives_;
+  std::atomic<uint64_t> next_seq_{0};
+  std::mutex failure_mutex_;
+  std::string failure_;  // the first failed operation's error: the group is unusable after it
+};
+
+}  // namespace pycomm::shm

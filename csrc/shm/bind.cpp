@@ -1,0 +1,29 @@
+// Python face of the shared-memory backend: pycomm._C.ShmBackend, a subclass of torch's
+// c10d Backend type, built by pycomm/shm.py's creator after the store rendezvous.
+#include "shm/bind.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+#include "shm/backend.h"
+#include "shm/segment.h"
+
+namespace pycomm {
+
+void bind_shm(pybind11::module& m) {
+  namespace py = pybind11;
+  // The base type is registered by torch.distributed's C extension.
+  py::module::import("torch.distributed");
+  py::class_<shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<shm::ShmBackend>>(
+      m, "ShmBackend", "c10d backend over a shared-memory segment (see pycomm/shm.py)")
+      .def(py::init([](const std::string& name, int rank, int size, int64_t timeout_ms,
+                       bool create) {
+             return c10::make_intrusive<shm::ShmBackend>(
+                 name, rank, size, std::chrono::milliseconds(timeout_ms), create);
+           }),
+           py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
+           py::arg("create"), py::call_guard<py::gil_scoped_release>())
+      .def_static("unlink", &shm::Segment::unlink, py::arg("name"),
+                  "Remove segment `name` from /dev/shm (mappings stay valid).");
+}
+
+}  // namespace pycomm

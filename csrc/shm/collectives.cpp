@@ -1,0 +1,199 @@
+// Round-based collectives over the slots of a segment (see Note [Step counters]).
+#include "shm/collectives.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "shm/reduce_kernels.h"
+
+namespace pycomm::shm {
+
+namespace {
+
+// Note [Parallel reduction]
+// Above kParallelReduceBytes a round's chunk is cut into one part per rank. Each rank
+// copies into its slot only the parts other ranks reduce (its own part it reads straight
+// from its tensor), reduces its part into its tensor and its slot, and after a second
+// phase copies the other parts' results from their owners' slots: 4 bytes moved per
+// byte of tensor at two ranks, where a copy in and a copy out of everything would take 5.5.
+//
+// Below this many bytes per round every rank reduces the whole chunk itself (one phase);
+// above it each rank reduces 1/world of it and the parts are then gathered (two phases,
+// world times less arithmetic per rank).
+constexpr size_t kParallelReduceBytes = 64 * 1024;
+
+size_t align_down(size_t n, size_t to) { return n / to * to; }
+
+}  // namespace
+
+Channel::Channel(std::unique_ptr<Segment> segment, int rank, bool spin)
+    : segment_(std::move(segment)),
+      sync_(*segment_, spin),
+      send_sync_(*segment_, spin),
+      recv_sync_(*segment_, spin),
+      rank_(rank),
+      world_(segment_->world()) {}
+
+char* Channel::begin_round() {
+  slot_index_ = static_cast<int>(round_ % kSlotsPerRank);
+  ++round_;
+  return segment_->slot(rank_, slot_index_);
+}
+
+char* Channel::peer_slot(int peer) const { return segment_->slot(peer, slot_index_); }
+
+void Channel::phase(const OpContext& ctx) {
+  ++step_;
+  Sync::publish(segment_->rank(rank_).step, step_);
+  for (int p = 0; p < world_; ++p) {
+    if (p != rank_) sync_.wait(segment_->rank(p).step, step_, p, ctx);
+  }
+}
+
+void Channel::barrier(const OpContext& ctx) {
+  begin_round();
+  phase(ctx);
+}
+
+void Channel::broadcast(char* data, size_t bytes, int root, const OpContext& ctx) {
+  const size_t chunk = segment_->slot_bytes();
+  for (size_t off = 0; off < bytes; off += chunk) {
+    size_t len = std::min(chunk, bytes - off);
+    char* mine = begin_round();
+    if (rank_ == root) std::memcpy(mine, data + off, len);
+    phase(ctx);
+    if (rank_ != root) std::memcpy(data + off, peer_slot(root), len);
+  }
+}
+
+void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype,
+                        c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+  reduce_parts(data, n, dtype, op, -1, ctx);
+}
+
+void Channel::reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                     int root, const OpContext& ctx) {
+  reduce_parts(data, n, dtype, op, root, ctx);
+}
+
+// root < 0: every rank receives the result (all-reduce); else only `root` does.
+void Channel::reduce_parts(char* data, int64_t n, c10::ScalarType dtype,
+                           c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
+  const size_t elem = c10::elementSize(dtype);
+  const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / elem);
+  for (int64_t off = 0; off < n; off += chunk) {
+    allreduce_chunk(data + off * elem, std::min(chunk, n - off), dtype, op, root, ctx);
+  }
+}
+
+// See Note [Parallel reduction] for the large path.
+void Channel::allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
+                              c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
+  const size_t elem = c10::elementSize(dtype);
+  const size_t bytes = n * elem;
+  const bool receives = root < 0 || root == rank_;
+  std::vector<const void*> srcs(world_);
+  if (bytes < kParallelReduceBytes) {
+    std::memcpy(begin_round(), data, bytes);
+    phase(ctx);
+    if (!receives) return;
+    for (int p = 0; p < world_; ++p) srcs[p] = peer_slot(p);
+    reduce_buffers(dtype, op, data, srcs.data(), world_, n, world_);
+    return;
+  }
+  // Parts of whole cache lines, one per rank; the last may be shorter or empty.
+  const int64_t line = static_cast<int64_t>(kCacheLine / std::min(elem, kCacheLine));
+  const int64_t part = ((n + world_ - 1) / world_ + line - 1) / line * line;
+  auto range = [&](int p) {
+    int64_t lo = std::min(n, p * part);
+    return std::make_pair(lo * elem, (std::min(n, lo + part) - lo) * elem);
+  };
+  char* mine = begin_round();
+  for (int p = 0; p < world_; ++p) {
+    auto [off, len] = range(p);
+    if (p != rank_) std::memcpy(mine + off, data + off, len);
+  }
+  phase(ctx);
+  auto [off, len] = range(rank_);
+  for (int p = 0; p < world_; ++p) srcs[p] = (p == rank_ ? data : peer_slot(p)) + off;
+  char* result = receives ? data + off : mine + off;
+  reduce_buffers(dtype, op, result, srcs.data(), world_, len / elem, world_);
+  if (root < 0) std::memcpy(mine + off, result, len);  // the other ranks copy it from here
+  phase(ctx);
+  if (!receives) return;
+  for (int p = 0; p < world_; ++p) {
+    auto [poff, plen] = range(p);
+    if (p != rank_) std::memcpy(data + poff, peer_slot(p) + poff, plen);
+  }
+}
+
+void Channel::allgather(const char* in, size_t bytes, const std::vector<char*>& outs,
+                        const OpContext& ctx) {
+  const size_t chunk = segment_->slot_bytes();
+  for (size_t off = 0; off < bytes; off += chunk) {
+    size_t len = std::min(chunk, bytes - off);
+    std::memcpy(begin_round(), in + off, len);
+    phase(ctx);
+    for (int p = 0; p < world_; ++p) std::memcpy(outs[p] + off, peer_slot(p), len);
+  }
+}
+
+void Channel::reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
+                             c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+  const size_t elem = c10::elementSize(dtype);
+  const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / world_ / elem);
+  std::vector<const void*> srcs(world_);
+  for (int64_t off = 0; off < n; off += chunk) {
+    const int64_t len = std::min(chunk, n - off);
+    const size_t block = len * elem;
+    char* mine = begin_round();
+    for (int p = 0; p < world_; ++p) {
+      if (p != rank_) std::memcpy(mine + p * block, in + (p * n + off) * elem, block);
+    }
+    phase(ctx);
+    for (int p = 0; p < world_; ++p) {
+      srcs[p] = p == rank_ ? in + (p * n + off) * elem : peer_slot(p) + rank_ * block;
+    }
+    reduce_buffers(dtype, op, out + off * elem, srcs.data(), world_, len, world_);
+  }
+}
+
+// One round to agree on the longest message of any pair, so every rank takes the same
+// number of rounds.
+size_t Channel::alltoall_rounds(const Split& send, size_t per_peer, const OpContext& ctx) {
+  uint64_t longest = *std::max_element(send.bytes.begin(), send.bytes.end());
+  std::memcpy(begin_round(), &longest, sizeof(longest));
+  phase(ctx);
+  for (int p = 0; p < world_; ++p) {
+    uint64_t theirs;
+    std::memcpy(&theirs, peer_slot(p), sizeof(theirs));
+    longest = std::max(longest, theirs);
+  }
+  return (longest + per_peer - 1) / per_peer;
+}
+
+void Channel::alltoall(const char* in, const Split& send, char* out, const Split& recv,
+                       const OpContext& ctx) {
+  const size_t per_peer = align_down(segment_->slot_bytes() / world_, kCacheLine);
+  const size_t rounds = alltoall_rounds(send, per_peer, ctx);
+  auto piece = [&](size_t total, size_t r) {
+    size_t lo = std::min(total, r * per_peer);
+    return std::make_pair(lo, std::min(total, lo + per_peer) - lo);
+  };
+  for (size_t r = 0; r < rounds; ++r) {
+    char* mine = begin_round();
+    for (int p = 0; p < world_; ++p) {
+      auto [lo, len] = piece(send.bytes[p], r);
+      std::memcpy(mine + p * per_peer, in + send.offset[p] + lo, len);
+    }
+    phase(ctx);
+    for (int p = 0; p < world_; ++p) {
+      auto [lo, len] = piece(recv.bytes[p], r);
+      std::memcpy(out + recv.offset[p] + lo, peer_slot(p) + rank_ * per_peer, len);
+    }
+  }
+}
+
+}  // namespace pycomm::shm

@@ -1,0 +1,80 @@
+// The shared-memory algorithms of one group, on raw contiguous buffers: rounds over
+// fixed-size slots for collectives, per-pair mailboxes for send/recv. Tensors, dtypes
+// checks and threads stop at backend.h; the arithmetic is in reduce_kernels.h.
+//
+// Note [Step counters]
+// Every rank owns one monotonically increasing step counter in shared memory. A round of
+// a collective: each rank writes its contribution into its own slot (slot = round % 2),
+// bumps its step and waits until every rank's step has reached the same value (a
+// "phase"), then reads what it needs from the others' slots. All ranks take the same
+// phases in the same order, so equal step values mean equal progress. Two slots per rank
+// make the "done reading" signal unnecessary: a rank rewrites the slot of round r only in
+// round r + 2, after it saw every rank arrive in round r + 1, which each rank does only
+// after it finished reading round r.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "shm/segment.h"
+#include "shm/sync.h"
+
+namespace pycomm::shm {
+
+// Where one rank's bytes go in an all-to-all: offset and length per peer.
+struct Split {
+  std::vector<size_t> offset;
+  std::vector<size_t> bytes;
+};
+
+class Channel {
+ public:
+  Channel(std::unique_ptr<Segment> segment, int rank, bool spin);
+
+  int rank() const { return rank_; }
+  int world() const { return world_; }
+
+  void barrier(const OpContext& ctx);
+  void broadcast(char* data, size_t bytes, int root, const OpContext& ctx);
+  // In place; the same elementwise order on every rank, so all ranks get identical bits.
+  void allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                 const OpContext& ctx);
+  void reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+              int root, const OpContext& ctx);
+  // outs[r] receives rank r's `bytes` bytes of `in`.
+  void allgather(const char* in, size_t bytes, const std::vector<char*>& outs,
+                 const OpContext& ctx);
+  // `in` holds world * n elements; this rank's reduced block lands in `out` (n elements).
+  void reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
+                      c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+  void alltoall(const char* in, const Split& send, char* out, const Split& recv,
+                const OpContext& ctx);
+  void send(const char* data, size_t bytes, int dst, const OpContext& ctx);
+  void recv(char* data, size_t bytes, int src, const OpContext& ctx);
+
+ private:
+  char* begin_round();
+  char* peer_slot(int peer) const;
+  void phase(const OpContext& ctx);
+  void allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
+                       c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx);
+  void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                    int root, const OpContext& ctx);
+  size_t alltoall_rounds(const Split& send, size_t per_peer, const OpContext& ctx);
+
+  std::unique_ptr<Segment> segment_;
+  Sync sync_;       // collectives
+  Sync send_sync_;  // send and recv run on their own threads (see backend.h)
+  Sync recv_sync_;
+  int rank_;
+  int world_;
+  uint32_t step_ = 0;
+  uint64_t round_ = 0;
+  int slot_index_ = 0;
+};
+
+}  // namespace pycomm::shm

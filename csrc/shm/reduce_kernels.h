@@ -1,0 +1,21 @@
+// Element-wise reduction of several equally long buffers into one: the arithmetic of the
+// shared-memory collectives, separate from their data movement. Low-precision floats
+// accumulate in float32 (at::opmath_type) and round once.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include <cstdint>
+
+namespace pycomm::shm {
+
+// Throw a ValueError naming `op` unless `dtype` and `reduce` are supported.
+void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp& reduce);
+
+// out[i] = reduce(srcs[0][i], ..., srcs[nsrc-1][i]) for i < n, divided by `world` for AVG.
+// `out` may alias one of `srcs`.
+void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, void* out,
+                    const void* const* srcs, int nsrc, int64_t n, int world);
+
+}  // namespace pycomm::shm

@@ -1,0 +1,55 @@
+// Waiting on another rank's Signal: a brief adaptive spin, then FUTEX_WAIT in time slices, each
+// slice bounded by the operation's deadline and followed by a liveness check of the rank
+// waited for. Every wait either returns or throws c10::DistBackendError naming the
+// operation and the rank; nothing here loops without sleeping.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <string>
+
+#include "shm/segment.h"
+
+namespace pycomm::shm {
+
+using Clock = std::chrono::steady_clock;
+
+// What the current wait belongs to, for error messages and the deadline.
+struct OpContext {
+  const char* op = "";
+  uint64_t seq = 0;
+  int rank = 0;
+  std::chrono::milliseconds timeout{0};
+  Clock::time_point deadline;
+};
+
+// `value` has reached `target` (modular: counters wrap around 2^32).
+inline bool reached(uint32_t value, uint32_t target) {
+  return static_cast<int32_t>(value - target) >= 0;
+}
+
+class Sync {
+ public:
+  Sync(const Segment& segment, bool spin) : segment_(segment), spin_(spin) {}
+
+  // Store `value` (release) and wake the ranks asleep on it.
+  static void publish(Signal& signal, uint32_t value);
+
+  // Return once `signal` (written by rank `peer`) reaches `target`; throw on deadline or
+  // when `peer` is gone.
+  void wait(const Signal& signal, uint32_t target, int peer, const OpContext& ctx) const;
+
+ private:
+  bool spin_until(const Signal& signal, uint32_t target) const;
+  void check_alive(int peer, const OpContext& ctx) const;
+  [[noreturn]] void fail(const OpContext& ctx, int peer, const std::string& what) const;
+
+  const Segment& segment_;
+  bool spin_;
+  mutable int64_t spin_ns_ = 30'000;  // See Note [Adaptive spin]; one op at a time uses it
+};
+
+// Throw c10::DistBackendError with "pycomm <op> (...)" in front of `what`.
+[[noreturn]] void throw_op_error(const OpContext& ctx, const std::string& what);
+
+}  // namespace pycomm::shm

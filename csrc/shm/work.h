@@ -1,0 +1,74 @@
+// The Work objects of the shared-memory backend and the Executor: one worker thread (a
+// lane) running its operations in issue order.
+//
+// Note [Waiting helps]
+// A thread that waits on a Work whose operation has not started yet, while the worker is
+// idle, runs the queued operations itself (in order, one at a time, as the worker would).
+// A blocking collective thus costs no thread hand-off, while asynchronous ones still
+// progress on the worker without anybody waiting.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+namespace pycomm::shm {
+
+class Executor;
+
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
+          std::shared_ptr<Executor> executor);
+
+  bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
+  std::vector<at::Tensor> result() override { return outputs_; }
+
+  // Called once, by whichever thread ran the operation.
+  void complete(std::exception_ptr error);
+
+ private:
+  std::vector<at::Tensor> outputs_;
+  std::shared_ptr<Executor> executor_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A FIFO of operations run one at a time: by the worker thread, or by a waiter
+// (see Note [Waiting helps]).
+class Executor {
+ public:
+  using Body = std::function<void()>;
+  Executor();
+  ~Executor();
+  void submit(c10::intrusive_ptr<ShmWork> work, Body body);
+  // Run queued operations on this thread while the worker is idle, until `work` has run
+  // or is running elsewhere.
+  void help(const ShmWork* work);
+  // Fail the operations still queued and stop the worker.
+  void shutdown();
+
+ private:
+  struct Task {
+    c10::intrusive_ptr<ShmWork> work;
+    Body body;
+  };
+  void loop();
+  static void run(Task& task);
+
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool busy_ = false;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+}  // namespace pycomm::shm

@@ -1,0 +1,219 @@
+"""Gradient clipping: pycomm.clip_grad_norm_ vs torch's clip_grad_norm_ (foreach on and off).
+
+Single process, side by side in one run: every repetition times each method once, in
+turn, on the same gradients, so ratios hold while absolute times swing on a shared host.
+Cases: a GPT-2-small-like set (148 tensors, 124M elements) and 1,000 tensors of 1,024
+elements; clipping active (max_norm below the norm) and inactive (far above it).
+Effective GB/s counts the traffic clipping needs (read once for the norm; read and
+write again to scale when active), the same bytes for every method; `%copy` relates it to
+a large tensor copy measured in the same run (read + write bytes / time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+
+from .. import _C
+from .. import clip as pycomm_clip
+from .._version import __version__
+
+_GPT2_SMALL_LAYER = [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
+                     (768, 3072), (3072,), (3072, 768), (768,)]
+
+
+def gpt2_small_shapes() -> list[tuple[int, ...]]:
+    """GPT-2 small's 148 parameter shapes: embeddings, 12 blocks, final layer norm."""
+    return [(50257, 768), (1024, 768), *(_GPT2_SMALL_LAYER * 12), (768,), (768,)]
+
+
+CASES = {"gpt2-small": gpt2_small_shapes, "1000x1024": lambda: [(1024,)] * 1000}
+# max_norm relative to the norm the gradients have before each call: 0.9 clips on every call
+# (the shared gradients shrink by 0.9 per call: ~0.003x after 54 calls, far from
+# denormals even in half precision); 1e9 never clips.
+MODES = {"active": 0.9, "inactive": 1e9}
+
+
+@dataclass(frozen=True)
+class Config:
+    device: str = "cpu"
+    cases: tuple[str, ...] = tuple(CASES)
+    dtype: str = "float32"
+    warmup: int = 3
+    reps: int = 15
+    copy_mib: int = 256
+    threads: int = 0  # 0: torch's default intra-op thread count
+
+
+@dataclass(frozen=True)
+class Row:
+    case: str
+    tensors: int
+    elements: int
+    mode: str
+    method: str
+    time_us: float
+    p10_us: float
+    p90_us: float
+    gbps: float
+    frac_copy: float
+    speedup_vs_foreach: float
+    wrong: int
+
+
+def _holder(grad: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter carrying `grad`; its own storage is never written, so never paged in."""
+    p = torch.nn.Parameter(torch.empty(grad.shape, dtype=grad.dtype, device=grad.device))
+    p.grad = grad
+    return p
+
+
+def _methods() -> dict[str, Callable]:
+    return {
+        "pycomm": lambda ps, m: pycomm_clip.clip_grad_norm_(ps, m),
+        "torch-foreach": lambda ps, m: torch.nn.utils.clip_grad_norm_(ps, m, foreach=True),
+        "torch-loop": lambda ps, m: torch.nn.utils.clip_grad_norm_(ps, m, foreach=False),
+    }
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn: Callable[[], object], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def copy_bandwidth(cfg: Config, device: torch.device) -> float:
+    """GB/s of a large copy (bytes read + written), median over the repetitions."""
+    n = cfg.copy_mib * (1 << 20) // 4
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    for _ in range(cfg.warmup):
+        dst.copy_(src)
+    samples = [_time(lambda: dst.copy_(src), device) for _ in range(cfg.reps)]
+    return 2 * src.numel() * src.element_size() / statistics.median(samples) / 1e9
+
+
+def _grads(shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
+
+
+def _count_wrong(shapes, dtype, device, rel: float) -> int:
+    """Untimed: pycomm's total norm and clipped gradients against an exact fp64 computation
+    on the same inputs (torch's own fp32 norm drifts ~3e-4 on the 38M-element embedding, so
+    it is not the reference here; tests/test_clip.py compares against torch)."""
+    grads = _grads(shapes, dtype, device, 1)
+    exact = [g.double() for g in grads]
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e) for e in exact]))
+    max_norm = rel * norm.item()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    total = pycomm_clip.clip_grad_norm_([_holder(g) for g in grads], max_norm)
+    # fp32 accumulation over ~1e8 elements and one rounding of each clipped element.
+    tol = dict(rtol=1e-5, atol=0.0)
+    wrong = sum(not torch.allclose(g.double(), e * coef, **tol) for g, e in zip(grads, exact))
+    return wrong + (not torch.allclose(total.double(), norm, **tol))
+
+
+def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
+    device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
+    shapes = CASES[case]()
+    grads = _grads(shapes, dtype, device, 0)
+    holders = [_holder(g) for g in grads]
+    elements = sum(g.numel() for g in grads)
+    nbytes = elements * grads[0].element_size()
+    rows = []
+    for mode, rel in MODES.items():
+        norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
+        samples = {name: [] for name in _methods()}
+        for rep in range(cfg.warmup + cfg.reps):  # interleaved: every method once per rep
+            for name, fn in _methods().items():
+                sec = _time(lambda fn=fn, m=rel * norm: fn(holders, m), device)
+                norm = min(norm, rel * norm)  # the norm the next call sees
+                if rep >= cfg.warmup:
+                    samples[name].append(sec)
+        traffic = nbytes * (3 if mode == "active" else 1)
+        wrong = _count_wrong(shapes, dtype, device, rel)
+        base = statistics.median(samples["torch-foreach"])
+        for name, s in samples.items():
+            q = statistics.quantiles(s, n=10)
+            med = statistics.median(s)
+            gbps = traffic / med / 1e9
+            rows.append(Row(case, len(shapes), elements, mode, name, med * 1e6, q[0] * 1e6,
+                            q[-1] * 1e6, gbps, gbps / copy_gbps, base / med,
+                            wrong if name == "pycomm" else 0))
+    return rows
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return (f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads,"
+            f" pycomm {_C._cpu_kernels()} loops)")
+
+
+def run(cfg: Config) -> tuple[float, list[Row]]:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)  # for torch's kernels and pycomm's alike
+    device = torch.device(cfg.device)
+    copy_gbps = copy_bandwidth(cfg, device)
+    return copy_gbps, [r for case in cfg.cases for r in run_case(cfg, case, copy_gbps)]
+
+
+def report(cfg: Config, copy_gbps: float, rows: list[Row]) -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    lines = [
+        f"# pycomm {__version__} | torch {torch.__version__}"
+        f" | {_device_name(torch.device(cfg.device))} | {now:%Y-%m-%d %H:%M} UTC",
+        f"# clip_grad_norm_ | dtype {cfg.dtype} | warmup {cfg.warmup} | reps {cfg.reps}"
+        f" (interleaved) | copy bandwidth {copy_gbps:.2f} GB/s ({cfg.copy_mib} MiB copy)",
+        f"#{'case':>11} {'tensors':>8} {'elements':>10} {'clip':>9} {'method':>14} {'time':>10}"
+        f" {'p10':>10} {'p90':>10} {'GB/s':>7} {'%copy':>6} {'vs foreach':>10} {'#wrong':>6}",
+        f"#{'':>11} {'':>8} {'':>10} {'':>9} {'':>14} {'(us)':>10} {'(us)':>10} {'(us)':>10}"
+        f" {'':>7} {'':>6} {'(x)':>10} {'':>6}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.case:>12} {r.tensors:>8} {r.elements:>10} {r.mode:>9} {r.method:>14}"
+            f" {r.time_us:>10.1f} {r.p10_us:>10.1f} {r.p90_us:>10.1f} {r.gbps:>7.2f}"
+            f" {100 * r.frac_copy:>5.1f}% {r.speedup_vs_foreach:>10.2f} {r.wrong:>6}")
+    lines.append(f"# Out of bounds values : {sum(r.wrong for r in rows)} "
+                 f"{'OK' if not any(r.wrong for r in rows) else 'FAILED'}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--case", action="append", choices=list(CASES), help="repeatable; default all")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--reps", type=int, default=Config.reps)
+    p.add_argument("--warmup", type=int, default=Config.warmup)
+    p.add_argument("--threads", type=int, default=0,
+                   help="intra-op threads for every method (default: torch's)")
+    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+
+
+def main(ns: argparse.Namespace) -> int:
+    device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = Config(device=device, cases=tuple(ns.case or CASES), dtype=ns.dtype, reps=ns.reps,
+                 warmup=ns.warmup, threads=ns.threads)
+    copy_gbps, rows = run(cfg)
+    print(report(cfg, copy_gbps, rows))
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"config": asdict(cfg), "copy_gbps": copy_gbps,
+                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+    return 0

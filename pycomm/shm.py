@@ -1,0 +1,109 @@
+"""The "pycomm" torch.distributed backend: shared-memory collectives between the ranks of
+one host, implemented in C++ (csrc/shm/). This module owns its registration and its
+rendezvous; the collectives, waits and Work objects live in the extension.
+
+Rendezvous goes only through the c10d store torch hands the creator (already prefixed per
+group): every rank publishes a host identity, and the group refuses to form unless all
+ranks share it; rank 0 creates a segment under a random name (owner-only permissions),
+publishes the name, waits until every rank has mapped it and unlinks it at once, so
+/dev/shm keeps nothing of ours whatever happens later.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+
+BACKEND_NAME = "pycomm"
+
+_SEGMENT_KEY = "pycomm/shm/segment"
+_SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+_HOST_KEY = "pycomm/shm/host/{}"
+_MAPPED_KEY = "pycomm/shm/mapped/{}"
+
+
+def host_identity() -> str:
+    """Hostname plus kernel boot id: equal for processes that can share /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _check_one_host(store: dist.Store, rank: int, size: int) -> None:
+    mine = host_identity()
+    store.set(_HOST_KEY.format(rank), mine)
+    hosts = [store.get(_HOST_KEY.format(r)).decode() for r in range(size)]
+    elsewhere = [r for r, h in enumerate(hosts) if h != mine]
+    if elsewhere:
+        raise RuntimeError(
+            f"pycomm backend: ranks {elsewhere} run on another host than rank {rank} "
+            f"({mine}); the shared-memory backend needs every rank of the group on one host "
+            "(use gloo across hosts)")
+
+
+def create_backend(store: dist.Store, rank: int, size: int,
+                   timeout: datetime.timedelta) -> _C.ShmBackend:
+    """The creator torch calls for each new "pycomm" group (store, rank, size, timeout)."""
+    _check_one_host(store, rank, size)
+    timeout_ms = max(1, int(timeout.total_seconds() * 1000))
+    if rank == 0:
+        name = f"/pycomm-{os.getpid()}-{secrets.token_hex(8)}"
+        backend = _C.ShmBackend(name, rank, size, timeout_ms, True)
+        try:
+            store.set(_SEGMENT_KEY, name)
+            store.wait([_MAPPED_KEY.format(r) for r in range(1, size)], timeout)
+        finally:
+            _C.ShmBackend.unlink(name)
+        return backend
+    name = store.get(_SEGMENT_KEY).decode()
+    try:
+        backend = _C.ShmBackend(name, rank, size, timeout_ms, False)
+    except Exception:
+        _C.ShmBackend.unlink(name)
+        raise
+    store.set(_MAPPED_KEY.format(rank), "1")
+    return backend
+
+
+def register() -> None:
+    """Make `dist.init_process_group("pycomm")` available (idempotent)."""
+    if BACKEND_NAME not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+
+
+def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A "pycomm" group over the ranks of `group` (a CPU-only Gloo group), or None when
+    that would not help: one rank, another backend, or ranks on several hosts. Collective
+    over `group` the first time; the answer is cached per group."""
+    if group.group_name in _SAME_HOST_GROUPS:
+        return _SAME_HOST_GROUPS[group.group_name]
+    answer = None
+    size = dist.get_world_size(group)
+    if dist.get_backend(group) == BACKEND_NAME:
+        answer = group
+    elif dist.get_backend(group) == "gloo" and size > 1:
+        hosts: list[str | None] = [None] * size
+        dist.all_gather_object(hosts, host_identity(), group=group)
+        if len(set(hosts)) == 1:
+            answer = dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
+                                    timeout=_group_timeout(group),
+                                    use_local_synchronization=True)
+    _SAME_HOST_GROUPS[group.group_name] = answer
+    return answer
