@@ -165,7 +165,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.device_ids[0] if self.device_ids else None)
 
     def _verify_and_sync_states(self) -> None:
-        meta = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters()]
+        meta = [(n, tuple(p.shape), str(p.dtype)) for n, p in self._params_to_sync()]
         world = dist.get_world_size(self.process_group)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, meta, group=self.process_group)
@@ -176,9 +176,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if a != b:
                     raise RuntimeError(f"DDP expects the same parameters on every rank: rank 0 "
                                        f"has {a}, rank {rank} has {b} (name, shape, dtype)")
-        states = [p.detach() for p in self.module.parameters()] + self._buffers_to_sync()
+        states = [p.detach() for _, p in self._params_to_sync()] + self._buffers_to_sync()
         if states:
             dist._broadcast_coalesced(self.process_group, states, BROADCAST_BUCKET_BYTES, 0)
+
+    def _params_to_sync(self) -> list[tuple[str, nn.Parameter]]:
+        """Parameters (trainable or not) kept identical across ranks: all but the ignored."""
+        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        return [(n, p) for n, p in self.module.named_parameters() if n not in ignored]
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))

@@ -43,6 +43,7 @@ def _shadow_backward(ddp: DistributedDataParallel) -> None:
     if ddp.config.find_unused_parameters:
         used = torch.zeros(len(ddp._named_params), dtype=torch.int32, device=ddp.device)
         dist.all_reduce(used, group=ddp._gradient_pg)
+    ddp.reducer.note_shadowed_step()
 
 
 class DDPJoinHook(JoinHook):
@@ -64,7 +65,7 @@ class DDPJoinHook(JoinHook):
         """Every rank ends with the model of the last rank to join."""
         ddp = self.ddp
         src = ddp._find_common_rank(is_last_joiner)
-        states = [p.detach() for p in ddp.module.parameters()]
+        states = [p.detach() for _, p in ddp._params_to_sync()]
         if ddp.config.broadcast_buffers:
             states += ddp._buffers_to_sync()
         with torch.no_grad():

@@ -92,9 +92,11 @@ void bind_reducer(py::module& m) {
            py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
-      .def("prepare_no_sync", &Reducer::prepare_no_sync)
+      .def("prepare_no_sync", &Reducer::prepare_no_sync,
+           py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::arg("assignment"))
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
+      .def("note_shadowed_step", &Reducer::note_shadowed_step)
       .def("ready_order", &Reducer::ready_order)
       .def("bucket_indices", &bucket_indices)
       .def("grad_view", &Reducer::grad_view, py::arg("index"))

@@ -46,10 +46,7 @@ void Reducer::finalize_backward() {
     for (size_t i = 0; i < params_.size(); ++i) static_unused_[i] = used[i] == 0;
     track_used_ = false;
   }
-  if (record_order_) {
-    record_order_ = false;
-    rebuild_pending_ = !rebuilt_;
-  }
+  end_recorded_step();
   if (options_.record_timeline) push_timeline(finalize_start);
   ++step_;
 }
@@ -158,6 +155,17 @@ std::vector<StepTimeline> Reducer::timelines(size_t n) const {
   }
   for (auto& step : steps) resolve_device_stamps(step);  // syncs device events; no lock held
   return steps;
+}
+
+void Reducer::end_recorded_step() {
+  if (!record_order_) return;
+  record_order_ = false;
+  rebuild_pending_ = !rebuilt_;
+}
+
+void Reducer::note_shadowed_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  end_recorded_step();
 }
 
 bool Reducer::should_rebuild_buckets() const {

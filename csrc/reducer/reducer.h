@@ -59,6 +59,9 @@ class Reducer {
   void prepare_no_sync();
   void rebuild_buckets(const std::vector<std::vector<size_t>>& assignment);
   bool should_rebuild_buckets() const;
+  // A joined rank shadowed a synchronized step (join): it counts as the recorded step, so
+  // this rank takes part in the one bucket rebuild with the ranks that ran it.
+  void note_shadowed_step();
   // Parameter indices in the order their grads became ready in the recorded step,
   // completed with the never-ready ones (reverse index order) so every rank has them all.
   std::vector<size_t> ready_order() const;
@@ -95,6 +98,7 @@ class Reducer {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize_backward();
+  void end_recorded_step();
   void wait_bucket(Bucket& bucket);
   void finalize_bucket(Bucket& bucket);
   void fail_unready();
