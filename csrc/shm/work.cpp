@@ -63,20 +63,25 @@ void Executor::run(Task& task) {
   task.work->complete(error);
 }
 
+// Pops the front task and runs it with the lock released; `busy_` covers the run.
+c10::intrusive_ptr<ShmWork> Executor::run_front(std::unique_lock<std::mutex>& lock) {
+  Task task = std::move(queue_.front());
+  queue_.pop_front();
+  busy_ = true;
+  lock.unlock();
+  run(task);
+  lock.lock();
+  busy_ = false;
+  return task.work;
+}
+
 void Executor::help(const ShmWork* work) {
   std::unique_lock<std::mutex> lock(mutex_);
   while (!busy_ && !queue_.empty()) {
     auto mine = std::find_if(queue_.begin(), queue_.end(),
                              [&](const Task& t) { return t.work.get() == work; });
     if (mine == queue_.end()) return;  // already run, or running on the worker
-    Task task = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    run(task);
-    lock.lock();
-    busy_ = false;
-    if (task.work.get() == work) break;
+    if (run_front(lock).get() == work) break;
   }
   lock.unlock();
   cv_.notify_one();
@@ -87,13 +92,7 @@ void Executor::loop() {
   while (true) {
     cv_.wait(lock, [&] { return stop_ || (!busy_ && !queue_.empty()); });
     if (stop_) return;
-    Task task = std::move(queue_.front());
-    queue_.pop_front();
-    busy_ = true;
-    lock.unlock();
-    run(task);
-    lock.lock();
-    busy_ = false;
+    run_front(lock);
   }
 }
 

@@ -61,6 +61,7 @@ class Executor {
     Body body;
   };
   void loop();
+  c10::intrusive_ptr<ShmWork> run_front(std::unique_lock<std::mutex>& lock);
   static void run(Task& task);
 
   std::mutex mutex_;
