@@ -72,6 +72,14 @@ class DDPConfig:
     for the gradient collectives only; the process group itself stays untouched for
     everything else. False keeps every gradient collective on the process group."""
 
+    inline_collectives: Optional[bool] = None
+    """Run each bucket's default all-reduce on the backward thread as the bucket completes,
+    instead of on a communication thread (see Note [Inline collectives] in
+    csrc/reducer/reducer.cpp); comm hooks stay asynchronous. None: inline when gradients go
+    over the shared-memory backend and this host's ranks' compute threads already fill
+    its cores (a communication thread could then only run by taking a core from backward).
+    """
+
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")

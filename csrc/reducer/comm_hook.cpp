@@ -10,7 +10,17 @@ namespace py = pybind11;
 
 FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
                                 const std::vector<at::Tensor>& /*params*/) {
-  return comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM)->getFuture();
+  auto work = comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM);
+  if (run_inline_ && !inline_failed_) {
+    try {
+      work->wait();
+    } catch (...) {
+      // The work's future holds the same error; finalize reports it with the bucket named.
+      // Later buckets are no longer awaited here: each would wait out the timeout again.
+      inline_failed_ = true;
+    }
+  }
+  return work->getFuture();
 }
 
 PythonCommHook::PythonCommHook(py::object state, py::object hook)

@@ -22,15 +22,20 @@ class CommHook {
   virtual bool reducer_divides() const = 0;
 };
 
-// torch's default without a hook: sum all-reduce of the pre-scaled bucket.
+// torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
+// `run_inline` the launching thread waits for the collective before returning (see
+// Note [Inline collectives] in reducer.cpp).
 class AllreduceSumHook final : public CommHook {
  public:
-  explicit AllreduceSumHook(comm::ProcessGroupPtr pg) : pg_(std::move(pg)) {}
+  AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
+      : pg_(std::move(pg)), run_inline_(run_inline) {}
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params) override;
   bool reducer_divides() const override { return true; }
 
  private:
   comm::ProcessGroupPtr pg_;
+  bool run_inline_;
+  bool inline_failed_ = false;
 };
 
 class PythonCommHook final : public CommHook {

@@ -43,7 +43,7 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                     params_.size(), " parameters");
   rank_ = pg_->getRank();
   div_factor_ = pg_->getSize();
-  hook_ = std::make_unique<AllreduceSumHook>(pg_);
+  hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives);
   marked_.assign(params_.size(), 0);
   ready_ns_.assign(params_.size(), -1);
   static_unused_.assign(params_.size(), 0);
@@ -285,6 +285,20 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+// Note [Inline collectives]
+// On a machine whose cores are all busy with the ranks' compute threads (2 local ranks
+// on 2 cores), a communication thread can only run by taking a core from backward, and
+// the shared-memory all-reduce advances only while both ranks' communication threads are
+// on a core at once: each rendezvous waits for the scheduler, and the bucket finishes
+// late, after backward, in the exposed tail. Run inline, the bucket's collective happens
+// on the backward thread itself, which is on a core on every rank at about the same
+// point of backward: no thread hand-off, no rendezvous across descheduled threads, the
+// same bytes moved. The wait lets the shared-memory backend run the queued operation on
+// this thread (See Note [Waiting helps] in shm/work.h).
+//
+//   async:   backward [b0 grads][b1 grads][b2 grads]  wait ......... finalize
+//            comm thread          [ar b0 ~~~ stalls ~~~ ar b1 ~~~~~~ ar b2]
+//   inline:  backward [b0 grads][ar b0][b1 grads][ar b1][b2 grads][ar b2] finalize
 void Reducer::launch(Bucket& bucket) {
   for (auto& callback : pre_launch_) callback(bucket);
   bucket.launch_ns = now_ns();

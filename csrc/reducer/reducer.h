@@ -36,6 +36,9 @@ struct ReducerOptions {
   bool record_timeline = true;
   int64_t timeline_steps = 64;
   std::optional<at::ScalarType> reduce_dtype;
+  // The default all-reduce runs on the backward thread as each bucket launches (see
+  // Note [Inline collectives] in reducer.cpp); comm hooks stay asynchronous.
+  bool inline_collectives = false;
 };
 
 // Extension point: called with a bucket whose gradients are all in, before its collective
