@@ -72,13 +72,15 @@ class DDPConfig:
     for the gradient collectives only; the process group itself stays untouched for
     everything else. False keeps every gradient collective on the process group."""
 
-    inline_collectives: Optional[bool] = None
+    inline_collectives: bool = False
     """Run each bucket's default all-reduce on the backward thread as the bucket completes,
     instead of on a communication thread (see Note [Inline collectives] in
-    csrc/reducer/reducer.cpp); comm hooks stay asynchronous. None: inline when gradients go
-    over the shared-memory backend and this host's ranks' compute threads already fill
-    its cores (a communication thread could then only run by taking a core from backward).
-    """
+    csrc/reducer/reducer.cpp); comm hooks stay asynchronous. Meant for gradients over the
+    shared-memory backend on a host whose cores the ranks' compute threads already fill
+    (there a communication thread can only run by taking a core from backward). Off by
+    default: each bucket then also waits for the slowest rank to reach it, which costs
+    more than it saves on compute-heavy steps and on a machine shared with other work
+    (see benchmarks/results/ddp_v2_2ranks_cpu.md)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:

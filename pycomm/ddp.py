@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import os
 import warnings
 from contextlib import contextmanager
 from dataclasses import fields, is_dataclass
@@ -38,19 +37,6 @@ def _gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist
     if not config.shared_memory_gradients:
         return process_group
     return same_host_group(process_group) or process_group
-
-
-def _inline_collectives(config: DDPConfig, process_group: dist.ProcessGroup,
-                        gradient_pg: dist.ProcessGroup) -> bool:
-    """config.inline_collectives, or when None: True where gradients go over a
-    shared-memory group (every rank on this host) and the ranks' compute threads fill the
-    cores this process may run on."""
-    if config.inline_collectives is not None:
-        return config.inline_collectives
-    if gradient_pg is process_group:
-        return False
-    busy = dist.get_world_size(gradient_pg) * torch.get_num_threads()
-    return busy >= len(os.sched_getaffinity(0))
 
 
 def _find_tensors(obj: Any) -> list[torch.Tensor]:
@@ -218,8 +204,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
                                   c.gradient_as_bucket_view, c.find_unused_parameters,
                                   c.static_graph, c.record_timeline, c.timeline_steps,
-                                  c.grad_reduce_dtype,
-                                  _inline_collectives(c, self.process_group, self._gradient_pg))
+                                  c.grad_reduce_dtype, c.inline_collectives)
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
 

@@ -1,18 +1,15 @@
 """DDPConfig.inline_collectives: each bucket's all-reduce runs on the backward thread as the
 bucket completes (see Note [Inline collectives] in csrc/reducer/reducer.cpp). It must train
 exactly as torch's DDP and as pycomm's asynchronous launch, finish every bucket before
-backward moves on to the next bucket's gradients, and be chosen only where it pays."""
+backward moves on to the next bucket's gradients."""
 
 import copy
-import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import pycomm
 from multirank import run_ranks
-from pycomm.ddp import _inline_collectives
 
 
 def _model():
@@ -56,23 +53,3 @@ def _inline_matches_torch(rank, world):
 
 def test_inline_collectives_train_as_torch_and_finish_each_bucket_in_turn():
     run_ranks(_inline_matches_torch, world_size=2, backend="gloo")
-
-
-def _auto_rule(rank, world):
-    pg = dist.group.WORLD
-    shm = pycomm.DistributedDataParallel(_model())._gradient_pg
-    assert dist.get_backend(shm) == "pycomm"
-    cores = len(os.sched_getaffinity(0))
-    auto = pycomm.DDPConfig()
-    torch.set_num_threads(cores)  # the ranks' compute threads fill the cores
-    assert _inline_collectives(auto, pg, shm)
-    assert not _inline_collectives(auto, pg, pg)  # Gloo: its threads block on sockets
-    assert not _inline_collectives(auto.replace(inline_collectives=False), pg, shm)
-    if cores > world:  # one thread per rank leaves cores for a communication thread
-        torch.set_num_threads(1)
-        assert not _inline_collectives(auto, pg, shm)
-    assert _inline_collectives(auto.replace(inline_collectives=True), pg, pg)
-
-
-def test_inline_collectives_by_default_only_on_shared_memory_with_busy_cores():
-    run_ranks(_auto_rule, world_size=2, backend="gloo")

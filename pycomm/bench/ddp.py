@@ -36,10 +36,10 @@ _SEQ = 64
 IMPLS = {
     "torch": TorchDDP,
     "pycomm": PycommDDP,
-    # pycomm with every bucket's all-reduce on a communication thread (see Note [Inline
+    # pycomm with every bucket's all-reduce on the backward thread (see Note [Inline
     # collectives] in csrc/reducer/reducer.cpp): only with --impls, for comparison.
-    "pycomm_async": lambda m, **kw: PycommDDP(m, config=DDPConfig(inline_collectives=False,
-                                                                  **kw)),
+    "pycomm_inline": lambda m, **kw: PycommDDP(m, config=DDPConfig(inline_collectives=True,
+                                                                   **kw)),
 }
 DEFAULT_IMPLS = ("torch", "pycomm")
 
@@ -153,10 +153,10 @@ def format_results(cfg: Config, results: list[Result]) -> str:
     lines = [common.header("ddp step time (ms), medians of per-step max over ranks",
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
                            warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps),
-             f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>12} {'step':>7} "
+             f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>13} {'step':>7} "
              f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7}"]
     for r in results:
-        lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>12} "
+        lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>13} "
                      f"{r.step_ms:>7.1f} {r.backward_ms:>8.1f} {r.no_sync_step_ms:>7.1f} "
                      f"{r.exposed_ms:>7.1f} {r.cpu_ms:>7.1f} {r.no_sync_cpu_ms:>7.1f}")
     lines.append("# cpu: process CPU ms per step (all threads); cpu_ns: the same in no_sync")
