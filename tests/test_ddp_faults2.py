@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import time
 import warnings
 
 import pytest
@@ -59,9 +60,10 @@ def _raise(grad):
     raise RuntimeError("injected failure in backward")
 
 
-def _failing_step(rank, hook):
+def _failing_step(rank, hook, stagger_s=0.0):
     """A wrapper whose backward raises at the first layer's weight (ready last), after the
-    later layers' buckets launched, on every rank alike."""
+    later layers' buckets launched, on every rank alike; rank 1 starts its backward
+    `stagger_s` later, so rank 0's launched bucket is still in flight when it moves on."""
     torch.manual_seed(3)
     base = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     # 300 B caps: bucket 0 holds layers 2 and 1, bucket 1 layer 0 (ready last).
@@ -71,6 +73,8 @@ def _failing_step(rank, hook):
         ddp.register_comm_hook(None, allreduce_hook)
     handle = ddp.module[0].weight.register_hook(_raise)
     out = ddp(make_input("mlp", rank, 0))
+    if rank == 1:
+        time.sleep(stagger_s)
     with pytest.raises(RuntimeError, match="injected failure"):
         out.sum().backward()
     handle.remove()
@@ -78,7 +82,7 @@ def _failing_step(rank, hook):
 
 
 def _delete_after_failed_backward(rank, world_size):
-    _, ddp = _failing_step(rank, hook=True)
+    _, ddp = _failing_step(rank, hook=True, stagger_s=2.0)
     del ddp
     gc.collect()  # ~Reducer drains collectives whose completion runs Python (the hook)
     fresh = DDP(build("mlp"))
@@ -90,7 +94,7 @@ def test_deleting_the_wrapper_after_a_failed_backward_with_a_python_hook_returns
 
 
 def _forward_after_failed_backward(rank, world_size, hook):
-    base, ddp = _failing_step(rank, hook)
+    base, ddp = _failing_step(rank, hook, stagger_s=1.0)  # the forward drains in-flight work
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = ddp(make_input("mlp", rank, 1))
