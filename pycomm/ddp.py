@@ -236,8 +236,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
                                   c.gradient_as_bucket_view, c.find_unused_parameters,
                                   c.static_graph, c.record_timeline, c.timeline_steps,
-                                  c.grad_reduce_dtype, c.skip_all_reduce_unused_params,
-                                  c.batched_grad_copy)
+                                  c.grad_reduce_dtype,
+                                  skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
+                                  batched_grad_copy=c.batched_grad_copy)
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
 

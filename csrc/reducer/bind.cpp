@@ -98,9 +98,10 @@ void bind_reducer(py::module& m) {
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
                        std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
                        bool batched_grad_copy) {
-             reducer::ReducerOptions o{as_view,         find_unused,    static_graph,
-                                       record_timeline, timeline_steps, reduce_dtype,
-                                       skip_unused,     batched_grad_copy};
+             reducer::ReducerOptions o{as_view, find_unused, static_graph, record_timeline,
+                                       timeline_steps, reduce_dtype};
+             o.skip_all_reduce_unused = skip_unused;
+             o.batched_grad_copy = batched_grad_copy;
              return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment,
                                               pg, o));
            }),
