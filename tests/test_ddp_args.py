@@ -71,6 +71,9 @@ def _skip_unused(rank, world_size):
         launched = _launched_buckets(ours, rank)
         # One parameter per bucket: exactly the used ones communicate.
         assert sorted(buckets[i][0] for i in launched) == sorted(used), (kwargs, launched)
+    # torch's join does not shadow skipped buckets either (it hangs): refused, clearly.
+    with pytest.raises(NotImplementedError, match="join.*skip_all_reduce_unused_params"):
+        ours.join()
     plain = lockstep(rank, "branchy", steps=1, bucket_cap_mb=1e-6, find_unused_parameters=True)
     assert len(_launched_buckets(plain, rank)) == len(plain.reducer.bucket_indices())
 
@@ -133,6 +136,12 @@ def _delayed(rank, world_size):
     for p, view in zip(ours._delayed.params, ours._delayed.views):
         assert p.grad.data_ptr() == view.data_ptr()
     assert [n for n, _ in ours._named_params] == ["net.0.weight", "net.0.bias"]
+    with pytest.raises(NotImplementedError, match="join.*delay_all_reduce_named_params"):
+        ours.join()
+    module = build("mlp")
+    with pytest.raises(NotImplementedError, match="every trainable parameter"):
+        DDP(module, delay_all_reduce_named_params=list(module.named_parameters()),
+            param_to_hook_all_reduce=module.net[0].weight)
 
 
 def test_delay_all_reduce_named_params_matches_torch():
