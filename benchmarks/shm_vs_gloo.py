@@ -99,7 +99,7 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None,
         if rank == 0:
             _print_row(row)
     if rank == 0 and (out or md):
-        command = f"python benchmarks/shm_vs_gloo.py --nproc {nproc} --reps {reps}"
+        command = f"PYTHONPATH=. python benchmarks/shm_vs_gloo.py --nproc {nproc} --reps {reps}"
         command += (f" --json {out}" if out else "") + (f" --md {md}" if md else "")
         meta = {"command": command,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

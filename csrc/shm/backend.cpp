@@ -13,7 +13,8 @@ namespace pycomm::shm {
 namespace {
 
 // Per round and rank (kSlotsPerRank slots per rank): the chunk of the pipelined all-reduce
-// (Note [All-reduce paths]).
+// (Note [All-reduce paths]). Measured at 2 ranks, CPU time per all-reduce of 4-256 MiB,
+// A/B interleaved in one run: 256 KiB chunks cost 2-7% more and 1 MiB chunks 0-8% more.
 constexpr size_t kSlotBytes = 512 << 10;
 constexpr size_t kMailboxBytes = 256 << 10;  // per ordered pair of ranks (send/recv)
 
