@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C, overlap
+from .clip import attach_local_clip
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_join import DDPJoinHook, notify_join
 from .shm import same_host_group
@@ -204,9 +205,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
                                   c.gradient_as_bucket_view, c.find_unused_parameters,
                                   c.static_graph, c.record_timeline, c.timeline_steps,
-                                  c.grad_reduce_dtype)
+                                  c.grad_reduce_dtype, c.main_grad_only)
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
+        self._local_clip = attach_local_clip(self.reducer, c)
 
     def _set_main_grads(self) -> None:
         if self.config.grad_reduce_dtype is None:
@@ -298,6 +300,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         from .clip import clip_ddp_grad_norm_
         return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
+    def local_grad_norm(self) -> Optional[torch.Tensor]:
+        """With config.local_clip_max_norm: this rank's total gradient norm before it was
+        clipped, of the last synchronized backward (a tensor, no host sync); else None."""
+        return None if self._local_clip is None else self._local_clip.total_norm()
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's protocol: hook(state, dist.GradBucket) -> torch.futures.Future[Tensor]."""
         if not callable(hook):
@@ -361,7 +368,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __getstate__(self) -> dict:
         attrs = copy.copy(self.__dict__)
-        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook", "_bucket_norms"):
+        for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook", "_bucket_norms",
+                    "_local_clip"):
             attrs.pop(key, None)
         return attrs
 

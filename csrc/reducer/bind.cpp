@@ -80,16 +80,17 @@ void bind_reducer(py::module& m) {
                        const std::vector<std::vector<size_t>>& assignment,
                        const comm::ProcessGroupPtr& pg, bool as_view, bool find_unused,
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
-                       std::optional<at::ScalarType> reduce_dtype) {
+                       std::optional<at::ScalarType> reduce_dtype, bool main_grad_only) {
              reducer::ReducerOptions o{as_view, find_unused, static_graph, record_timeline,
-                                       timeline_steps, reduce_dtype};
+                                       timeline_steps, reduce_dtype, main_grad_only};
              return std::make_unique<Reducer>(std::move(params), std::move(names), assignment,
                                               pg, o);
            }),
            py::arg("params"), py::arg("names"), py::arg("assignment"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("static_graph") = false, py::arg("record_timeline") = true,
-           py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt)
+           py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
+           py::arg("main_grad_only") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_no_sync", &Reducer::prepare_no_sync,

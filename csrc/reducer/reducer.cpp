@@ -86,6 +86,7 @@ void Reducer::remove_hooks() {
 void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(state_ != State::kBackward, "cannot rebuild buckets during backward");
+  auto sums = save_accumulated();
   buckets_ = build_buckets(params_, names_, assignment, options_.reduce_dtype);
   locator_.assign(params_.size(), {0, 0});
   for (auto& bucket : buckets_) {
@@ -101,6 +102,11 @@ void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment
         grad = view;
       }
     }
+  }
+  note_widened();
+  for (auto& [index, sum] : sums) {
+    grad_view(index).copy_(sum);
+    accumulated_[index] = 1;
   }
   if (rebuild_pending_) {
     rebuild_pending_ = false;
@@ -206,6 +212,7 @@ void Reducer::begin_backward_locked() {
 void Reducer::autograd_hook(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (track_used_) local_used_.data_ptr<int32_t>()[index] = 1;
+  if (widened_[index]) accumulate_main_grad(index);
   if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
   TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ",
               names_[index], " got a gradient after this step was already reduced: backward "
@@ -227,7 +234,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   if (--bucket.pending == 0) {
     bucket.ready_ns = now_ns();
     if (stamps_) bucket.ready_stamp = stamps_->stamp();
-    launch_ready_buckets();
+    if (!gate_) launch_ready_buckets();
   }
 }
 
@@ -238,13 +245,14 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   const size_t index = bucket.params[slot];
   at::Tensor& view = bucket.views[slot];
   at::Tensor& grad = params_[index].mutable_grad();
+  const bool divide = divides_in_copy();
+  if (finish_accumulated(index, view, divide)) return;
   if (!grad.defined()) {
     view.zero_();
     return;
   }
   TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
                     "pycomm DDP reduces dense gradients only (use sparse=False)");
-  const bool divide = hook_->reducer_divides();
   if (grad.is_alias_of(view)) {
     if (divide) view.div_(div_factor_);
     return;
