@@ -53,6 +53,7 @@ using BucketCallback = std::function<void(Bucket&)>;
 // (1/world, or 1 when a comm hook averages) to fold into its one pass; then every bucket
 // is launched in order.
 using LaunchGate = std::function<void(const std::vector<at::Tensor>& buffers, double divide)>;
+
 class Reducer {
  public:
   Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
