@@ -2,9 +2,12 @@
 side by side in one run: both groups live in the same rank processes and each size is
 measured alternately on one and the other, `--reps` times; the figure per size is the
 median over repetitions of the per-iteration time (max over ranks). Alternating keeps the
-ratio meaningful on a shared, noisy machine.
+ratio meaningful on a shared, noisy machine. With --md it also writes the Markdown record:
+the command first, the machine's load (`uptime`) before and after, the table, and issue
+7's targets checked row by row.
 
-    python benchmarks/shm_vs_gloo.py --nproc 2 --json benchmarks/results/shm_allreduce.json
+    python benchmarks/shm_vs_gloo.py --nproc 2 --reps 5 \
+        --json benchmarks/results/shm_allreduce_v2.json --md benchmarks/results/shm_allreduce_v2.md
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 
@@ -25,6 +29,9 @@ import torch.multiprocessing as mp
 import pycomm
 
 _SIZES = [4 << (2 * i) for i in range(14)]  # 4 B .. 256 MiB, factor 4
+# Issue 7's targets at 2 ranks: latency ratio up to this size, busbw ratio from 1 MiB up.
+_LATENCY_TARGET, _LATENCY_UP_TO = 10.0, 64 << 10
+_BUSBW_TARGET, _BUSBW_FROM = 5.0, 1 << 20
 
 
 def _iters(size: int) -> tuple[int, int]:
@@ -58,7 +65,15 @@ def _check(group, world: int) -> None:
     assert torch.all(t == world * (world + 1) / 2), "wrong all-reduce result"
 
 
-def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) -> None:
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None,
+          md: str | None) -> None:
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, nproc)
     dist.init_process_group("pycomm", store=store, rank=rank, world_size=nproc,
@@ -66,7 +81,7 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) ->
     groups = {"pycomm": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
     for g in groups.values():
         _check(g, nproc)
-    rows, load_before = [], os.getloadavg()
+    rows, load_before, uptime_before = [], os.getloadavg(), _uptime()
     for size in _SIZES:
         t = torch.ones(size // 4)
         warmup, iters = _iters(size)
@@ -83,26 +98,79 @@ def _body(rank: int, nproc: int, store_path: str, reps: int, out: str | None) ->
         rows.append(row)
         if rank == 0:
             _print_row(row)
-    if rank == 0 and out:
-        meta = {"command": f"python benchmarks/shm_vs_gloo.py --nproc {nproc} --reps {reps}",
+    if rank == 0 and (out or md):
+        command = f"PYTHONPATH=. python benchmarks/shm_vs_gloo.py --nproc {nproc} --reps {reps}"
+        command += (f" --json {out}" if out else "") + (f" --md {md}" if md else "")
+        meta = {"command": command,
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "host": platform.node(), "cpu": platform.processor() or platform.machine(),
                 "cores": os.cpu_count(), "torch": torch.__version__,
                 "pycomm": pycomm.__version__, "world": nproc, "dtype": "float32",
                 "op": "sum", "reps": reps, "statistic": "median over reps of mean per-iteration "
                 "time, max over ranks", "machine_shared": True,
-                "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]], "rows": rows}
-        with open(out, "w") as f:
-            json.dump(meta, f, indent=1)
+                "loadavg_1min_before_after": [load_before[0], os.getloadavg()[0]],
+                "uptime_before_after": [uptime_before, _uptime()], "rows": rows}
+        if out:
+            with open(out, "w") as f:
+                json.dump(meta, f, indent=1)
+        if md:
+            with open(md, "w") as f:
+                f.write(_markdown(meta))
     dist.destroy_process_group()
 
 
+def _header() -> str:
+    return (f"#{'size(B)':>10} {'pycomm':>10} {'gloo':>10} {'ratio':>8} {'busbw':>8} "
+            f"{'gloo':>8} {'pycomm':>10} {'gloo':>10} {'ratio':>8}\n"
+            f"#{'':>10} {'wall(us)':>10} {'wall(us)':>10} {'':>8} {'(GB/s)':>8} {'(GB/s)':>8} "
+            f"{'cpu(us)':>10} {'cpu(us)':>10} {'':>8}")
+
+
+def _verdicts(rows: list[dict]) -> list[str]:
+    """Issue 7's targets, one line per measured size they cover."""
+    lines = []
+    for row in rows:
+        ratio = row["gloo"]["time_us"] / row["pycomm"]["time_us"]
+        if row["size"] <= _LATENCY_UP_TO:
+            target, what = _LATENCY_TARGET, "latency"
+        elif row["size"] >= _BUSBW_FROM:
+            target, what = _BUSBW_TARGET, "busbw"
+        else:
+            continue
+        verdict = "met" if ratio >= target else "NOT met"
+        lines.append(f"- {row['size']:>9} B: {what} {ratio:.1f}x Gloo (target >= "
+                     f"{target:.0f}x): {verdict}")
+    return lines
+
+
+def _markdown(meta: dict) -> str:
+    table = "\n".join(_format_row(r) for r in meta["rows"])
+    return (f"# Shared-memory backend vs Gloo all-reduce, {meta['world']} ranks "
+            f"({meta['date']})\n\nRerun:\n\n```\n{meta['command']}\n```\n\n"
+            f"Machine: {meta['cores']} CPU cores ({meta['cpu']}), torch {meta['torch']}, "
+            f"pycomm {meta['pycomm']}; shared with other work.\n\n"
+            f"`uptime` before: `{meta['uptime_before_after'][0]}`\n\n"
+            f"`uptime` after: `{meta['uptime_before_after'][1]}`\n\n"
+            f"Statistic: {meta['statistic']}; ratio = Gloo time / pycomm time (the busbw "
+            f"ratio too).\n\n```\n{_title(meta['world'], meta['reps'])}\n{_header()}\n"
+            f"{table}\n```\n\nTargets (issue 7, at 2 ranks):\n\n"
+            + "\n".join(_verdicts(meta["rows"])) + "\n")
+
+
+def _title(nproc: int, reps: int) -> str:
+    return (f"# all_reduce float32 sum | world {nproc} | reps {reps} | torch "
+            f"{torch.__version__} | pycomm {pycomm.__version__}")
+
+
 def _print_row(row: dict) -> None:
+    print(_format_row(row), flush=True)
+
+
+def _format_row(row: dict) -> str:
     p, g = row["pycomm"], row["gloo"]
-    print(f"{row['size']:>11} {p['time_us']:>10.1f} {g['time_us']:>10.1f} "
+    return (f"{row['size']:>11} {p['time_us']:>10.1f} {g['time_us']:>10.1f} "
           f"{g['time_us'] / p['time_us']:>7.1f}x {p['busbw']:>8.3f} {g['busbw']:>8.3f} "
-          f"{p['cpu_us']:>10.1f} {g['cpu_us']:>10.1f} {g['cpu_us'] / p['cpu_us']:>7.1f}x",
-          flush=True)
+          f"{p['cpu_us']:>10.1f} {g['cpu_us']:>10.1f} {g['cpu_us'] / p['cpu_us']:>7.1f}x")
 
 
 def main() -> None:
@@ -110,16 +178,13 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None, help="also write the Markdown record here")
     ns = ap.parse_args()
-    print(f"# all_reduce float32 sum | world {ns.nproc} | reps {ns.reps} | torch "
-          f"{torch.__version__} | pycomm {pycomm.__version__}")
-    print(f"#{'size(B)':>10} {'pycomm':>10} {'gloo':>10} {'ratio':>8} {'busbw':>8} "
-          f"{'gloo':>8} {'pycomm':>10} {'gloo':>10} {'ratio':>8}")
-    print(f"#{'':>10} {'wall(us)':>10} {'wall(us)':>10} {'':>8} {'(GB/s)':>8} {'(GB/s)':>8} "
-          f"{'cpu(us)':>10} {'cpu(us)':>10} {'':>8}")
+    print(_title(ns.nproc, ns.reps))
+    print(_header())
     with tempfile.TemporaryDirectory(prefix="pycomm-shm-bench-") as tmp:
         mp.start_processes(_body, nprocs=ns.nproc, start_method="spawn",
-                           args=(ns.nproc, os.path.join(tmp, "store"), ns.reps, ns.json))
+                           args=(ns.nproc, os.path.join(tmp, "store"), ns.reps, ns.json, ns.md))
 
 
 if __name__ == "__main__":

@@ -68,6 +68,17 @@ class DDPConfig:
     backward. Parameters already in a wider dtype are unaffected. See Note [main_grad
     accumulation] in csrc/reducer/main_grad.cpp."""
 
+    skip_all_reduce_unused_params: bool = False
+    """torch's option: a bucket whose parameters all went unused on this rank in a step is
+    not reduced, and their grads stay untouched (needs find_unused_parameters or
+    static_graph to know what is unused). Every rank must have the same unused set, as
+    torch requires: otherwise the ranks launch different collectives."""
+
+    batched_grad_copy: bool = False
+    """torch's option: grads are copied into their bucket all at once when it is complete
+    (one _foreach_copy_ per bucket) and the bucket divided once by the world size, instead
+    of one scaled copy per parameter. Same numbers as torch in that mode (x / n)."""
+
     shared_memory_gradients: bool = True
     """Reduce gradients through pycomm's shared-memory backend ("pycomm", see
     pycomm/shm.py) when the process group is a Gloo group whose ranks all run on this

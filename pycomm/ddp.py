@@ -21,13 +21,15 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _C, overlap
 from .clip import attach_local_clip
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
+from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
 from .shm import same_host_group
 
-_UNIMPLEMENTED = {  # torch argument -> its value that pycomm implements
-    "delay_all_reduce_named_params": None, "param_to_hook_all_reduce": None,
-    "mixed_precision": None, "skip_all_reduce_unused_params": False,
-    "batched_grad_copy": False,
+_UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
+    "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "
+                        "events (torch's own DDP fails on CPU: 'cpu backend doesn't support "
+                        "events'), so pycomm has no oracle for it here; for fp32 reduction of "
+                        "bf16/fp16 gradients use DDPConfig(grad_reduce_dtype=torch.float32)"),
 }
 
 
@@ -59,9 +61,12 @@ def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
         if process_group is not None:
             raise RuntimeError("pass either process_group or device_mesh, not both")
         if device_mesh.ndim != 1:
-            raise NotImplementedError("device_mesh: only 1-D meshes are supported by pycomm "
-                                      f"(got {device_mesh.ndim}-D)")
-        return device_mesh.get_group()
+            # torch 2.13 refuses these too (RuntimeError "Only 1D device mesh is supported");
+            # a 1-D slice of a larger mesh (mesh["dp"]) is what both accept.
+            raise NotImplementedError(f"device_mesh: only a 1-D mesh (or a 1-D slice such as "
+                                      f"mesh['dp'] of a larger one) is supported, as in "
+                                      f"torch, got a {device_mesh.ndim}-D mesh")
+        return device_mesh.get_group(mesh_dim=0)
     group = (process_group if process_group is not None
              else dist.distributed_c10d._get_default_group())
     if not isinstance(group, dist.ProcessGroup):
@@ -71,10 +76,14 @@ def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
 
 
 def _check_args(args: dict[str, Any]) -> None:
-    for name, supported in _UNIMPLEMENTED.items():
+    for name, (supported, why) in _UNIMPLEMENTED.items():
         if args[name] is not supported and args[name] != supported:
             raise NotImplementedError(f"pycomm DistributedDataParallel does not implement "
-                                      f"{name}={args[name]!r} yet")
+                                      f"{name}={args[name]!r}: {why}")
+    if (args["delay_all_reduce_named_params"] is None) != (
+            args["param_to_hook_all_reduce"] is None):
+        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to "
+                         "be set at the same time.")
     if args["check_reduction"]:
         warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                       "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
@@ -90,7 +99,9 @@ def _config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPC
         bucket_cap_mb_list=None if caps is None else tuple(caps),
         find_unused_parameters=args["find_unused_parameters"],
         gradient_as_bucket_view=args["gradient_as_bucket_view"],
-        static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"])
+        static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"],
+        skip_all_reduce_unused_params=args["skip_all_reduce_unused_params"],
+        batched_grad_copy=args["batched_grad_copy"])
     if config is None:
         return DDPConfig(**from_args)
     default = DDPConfig()
@@ -118,22 +129,43 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.module = module
         self.config = _config_from_args(config, args)
         self.process_group = _resolve_group(process_group, device_mesh)
+        if device_mesh is not None and device_mesh._get_root_mesh() != device_mesh:
+            # A data-parallel slice of a larger mesh: torch turns tensor-parallel (DTensor)
+            # parameters into local tensors first; pycomm does the same, with torch's helper.
+            from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+            _pre_dp_module_transform(module)
+        self._delayed_names = {n for n, _ in (delay_all_reduce_named_params or ())}
         self.dim = dim
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._join_divide_by_initial_world_size = True
         self._named_params = self._trainable_params()
         self._check_devices(device_ids, output_device)
+        self._delayed: Optional[DelayedAllReduce] = None
+        if delay_all_reduce_named_params is not None:
+            self._delayed = DelayedAllReduce(self, list(delay_all_reduce_named_params),
+                                             param_to_hook_all_reduce)
+            self._delayed.broadcast(self.process_group)
         if self.config.init_sync:
             self._verify_and_sync_states()
         self._build_reducer()
 
     # ---- construction ----------------------------------------------------------------
 
-    def _trainable_params(self) -> list[tuple[str, nn.Parameter]]:
+    def _ignored(self) -> set[str]:
+        """Names the reducer and the state broadcasts leave alone: the module's ignored
+        ones and the delayed ones (see ddp_delay.py), as torch's parameters_to_ignore."""
         ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        return ignored | getattr(self, "_delayed_names", set())
+
+    def _trainable_params(self) -> list[tuple[str, nn.Parameter]]:
+        ignored = self._ignored()
         named = [(n, p) for n, p in self.module.named_parameters()
                  if p.requires_grad and n not in ignored]
+        if not named and self._delayed_names:
+            raise NotImplementedError("delay_all_reduce_named_params covering every trainable "
+                                      "parameter (torch then runs without a reducer) is not "
+                                      "implemented by pycomm")
         if not named:
             raise RuntimeError("DistributedDataParallel is not needed when a module doesn't "
                                "have any parameter that requires a gradient.")
@@ -183,11 +215,11 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _params_to_sync(self) -> list[tuple[str, nn.Parameter]]:
         """Parameters (trainable or not) kept identical across ranks: all but the ignored."""
-        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored = self._ignored()
         return [(n, p) for n, p in self.module.named_parameters() if n not in ignored]
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
-        ignored = set(getattr(self.module, "_ddp_params_and_buffers_to_ignore", ()))
+        ignored = self._ignored()
         return [b.detach() for n, b in self.module.named_buffers() if n not in ignored]
 
     def _build_reducer(self) -> None:
@@ -205,7 +237,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
                                   c.gradient_as_bucket_view, c.find_unused_parameters,
                                   c.static_graph, c.record_timeline, c.timeline_steps,
-                                  c.grad_reduce_dtype, c.main_grad_only)
+                                  c.grad_reduce_dtype,
+                                  skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
+                                  batched_grad_copy=c.batched_grad_copy,
+                                  main_grad_only=c.main_grad_only)
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
         self._local_clip = attach_local_clip(self.reducer, c)
@@ -236,9 +271,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = moved[0], moved_kwargs[0]
         output = self.module(*inputs, **kwargs)
         if grad_sync:
-            self.reducer.prepare_for_backward(_find_tensors(output))
+            note = self.reducer.prepare_for_backward(_find_tensors(output))
         else:
-            self.reducer.prepare_no_sync()
+            note = self.reducer.prepare_no_sync()
+        if note:  # see Note [Abandoned step] in csrc/reducer/finalize.cpp
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
+        if self._delayed is not None:
+            self._delayed.after_forward(grad_sync)
         return output
 
     def _rebuild_buckets_if_due(self) -> bool:
@@ -354,6 +393,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        for refused, name in ((self.config.skip_all_reduce_unused_params,
+                               "skip_all_reduce_unused_params"),
+                              (self._delayed is not None, "delay_all_reduce_named_params")):
+            if refused:  # torch's join hook does not shadow these either: it would hang
+                raise NotImplementedError(f"join() with {name}: a joined rank cannot know "
+                                          f"which collectives the others run for it")
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -369,11 +414,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __getstate__(self) -> dict:
         attrs = copy.copy(self.__dict__)
         for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook", "_bucket_norms",
-                    "_local_clip"):
+                    "_delayed", "_local_clip"):
             attrs.pop(key, None)
         return attrs
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = dist.distributed_c10d._get_default_group()
         super().__setstate__(state)
+        self._delayed = None  # its hook and buffer are not pickled: torch.load drops it too
         self._build_reducer()

@@ -40,10 +40,11 @@ def _shadow_backward(ddp: DistributedDataParallel) -> None:
         pending = [hook(state, b) for b in buckets]
     for p in pending:
         p.wait()
-    if ddp.config.find_unused_parameters:
+    used = None
+    if ddp.reducer.tracks_usage():  # exactly when the running ranks reduce usage this step
         used = torch.zeros(len(ddp._named_params), dtype=torch.int32, device=ddp.device)
         dist.all_reduce(used, group=ddp._gradient_pg)
-    ddp.reducer.note_shadowed_step()
+    ddp.reducer.note_shadowed_step(used)
 
 
 class DDPJoinHook(JoinHook):

@@ -37,10 +37,10 @@ def _usage_errors(rank, world_size):
     _raises(ValueError, r"net\.0\.weight no longer requires grad", ddp, make_input("mlp", rank, 0))
     frozen = nn.Linear(2, 2).requires_grad_(False)
     _raises(RuntimeError, "doesn't have any parameter that requires a gradient", DDP, frozen)
-    for name, value in (("mixed_precision", object()), ("param_to_hook_all_reduce", object()),
-                        ("delay_all_reduce_named_params", [("w", None)]),
-                        ("skip_all_reduce_unused_params", True), ("batched_grad_copy", True)):
-        _raises(NotImplementedError, name, DDP, build("mlp"), **{name: value})
+    _raises(NotImplementedError, "mixed_precision", DDP, build("mlp"), mixed_precision=object())
+    for name, value in (("param_to_hook_all_reduce", object()),
+                        ("delay_all_reduce_named_params", [("w", None)])):
+        _raises(ValueError, "at the same time", DDP, build("mlp"), **{name: value})
     _raises(TypeError, "ProcessGroup", DDP, build("mlp"), process_group="world")
     _raises(NotImplementedError, "sparse", DDP, nn.Embedding(4, 2, sparse=True))
     _raises(ValueError, "device_ids must be None", DDP, build("mlp"), device_ids=[0])

@@ -21,13 +21,13 @@ def _our_segments(pid_file):
     return [n for n in os.listdir("/dev/shm") if n.startswith(f"pycomm-{pid}-")]
 
 
-def _dies_mid_collective(rank, world, pid_file):
+def _dies_mid_collective(rank, world, pid_file, numel):
     if rank == 0:
         with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
     dist.all_reduce(torch.ones(10))  # a healthy collective first
     assert not _our_segments(pid_file), "the segment must be unlinked once all ranks mapped it"
-    big = torch.ones(64 << 20 >> 2)
+    big = torch.ones(numel)
     if rank == 1:
         dist.all_reduce(big, async_op=True)
         time.sleep(0.002)
@@ -35,17 +35,21 @@ def _dies_mid_collective(rank, world, pid_file):
     start = time.monotonic()
     with pytest.raises(dist.DistBackendError, match=r"pycomm all_reduce .*rank 1 exited"):
         dist.all_reduce(big)
+        dist.all_reduce(big)  # the one-phase path: rank 1 may have finished the first
     # Liveness is checked every 20 ms: far sooner than the group timeout.
     assert time.monotonic() - start < _TIMEOUT_S / 2
     with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
         dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_rank_exiting_mid_collective(world_size, tmp_path):
+# 64 MiB: the pipelined all-reduce; 1000 elements: the one-phase path, run on the calling
+# thread (See Note [All-reduce paths] and Note [Waiting helps]).
+@pytest.mark.parametrize("world_size, numel", [(2, 64 << 20 >> 2), (3, 64 << 20 >> 2),
+                                               (2, 1000), (4, 1000)])
+def test_rank_exiting_mid_collective(world_size, numel, tmp_path):
     pid_file = str(tmp_path / "pid")
     run_ranks(_dies_mid_collective, world_size=world_size, backend="pycomm",
-              group_timeout_s=_TIMEOUT_S * 4, pid_file=pid_file)
+              group_timeout_s=_TIMEOUT_S * 4, pid_file=pid_file, numel=numel)
     assert not _our_segments(pid_file)
 
 

@@ -69,35 +69,58 @@ py::list zeros_like_grad_buckets(const Reducer& r) {
   return out;
 }
 
+// Python drops its last reference to a Reducer with the GIL held; ~Reducer may wait on
+// launched collectives whose completion runs Python (a comm hook's future callbacks), so
+// the GIL is released around the delete, else that wait deadlocks.
+struct ReleaseGilDelete {
+  void operator()(Reducer* reducer) const {
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      delete reducer;
+    } else {
+      delete reducer;
+    }
+  }
+};
+using ReducerHolder = std::unique_ptr<Reducer, ReleaseGilDelete>;
+
 }  // namespace
 
 void bind_reducer(py::module& m) {
   m.def("assign_buckets", &reducer::assign_buckets, py::arg("params"), py::arg("order"),
         py::arg("byte_limits"),
         "Greedy bucket assignment of params (in `order`) per (device, dtype); see bucket.h.");
-  py::class_<Reducer>(m, "Reducer", "pycomm's C++ bucketed gradient reducer (see reducer.h)")
+  py::class_<Reducer, ReducerHolder>(m, "Reducer",
+                                     "pycomm's C++ bucketed gradient reducer (see reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const std::vector<std::vector<size_t>>& assignment,
                        const comm::ProcessGroupPtr& pg, bool as_view, bool find_unused,
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
-                       std::optional<at::ScalarType> reduce_dtype, bool main_grad_only) {
+                       std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
+                       bool batched_grad_copy, bool main_grad_only) {
              reducer::ReducerOptions o{as_view, find_unused, static_graph, record_timeline,
-                                       timeline_steps, reduce_dtype, main_grad_only};
-             return std::make_unique<Reducer>(std::move(params), std::move(names), assignment,
-                                              pg, o);
+                                       timeline_steps, reduce_dtype};
+             o.skip_all_reduce_unused = skip_unused;
+             o.batched_grad_copy = batched_grad_copy;
+             o.main_grad_only = main_grad_only;
+             return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment,
+                                              pg, o));
            }),
            py::arg("params"), py::arg("names"), py::arg("assignment"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("static_graph") = false, py::arg("record_timeline") = true,
            py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
-           py::arg("main_grad_only") = false)
+           py::arg("skip_all_reduce_unused_params") = false,
+           py::arg("batched_grad_copy") = false, py::arg("main_grad_only") = false)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_no_sync", &Reducer::prepare_no_sync,
            py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::arg("assignment"))
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
-      .def("note_shadowed_step", &Reducer::note_shadowed_step)
+      .def("note_shadowed_step", &Reducer::note_shadowed_step,
+           py::arg("global_used") = std::nullopt)
+      .def("tracks_usage", &Reducer::tracks_usage)
       .def("ready_order", &Reducer::ready_order)
       .def("bucket_indices", &bucket_indices)
       .def("grad_view", &Reducer::grad_view, py::arg("index"))

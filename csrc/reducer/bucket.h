@@ -33,6 +33,9 @@ struct Bucket {
 
   // Per-step state, reset by Reducer::reset_step.
   size_t pending = 0;           // gradients still to land
+  size_t unused = 0;            // parameters unused this step (skip_all_reduce_unused)
+  bool skipped = false;         // not reduced this step (all its parameters unused)
+  std::vector<size_t> deferred;  // slots whose copy waits for the bucket (batched copy)
   FuturePtr future;             // completes with the reduced buffer (after post_done)
   int64_t ready_ns = -1;
   int64_t launch_ns = -1;

@@ -53,6 +53,7 @@ void Reducer::finalize_backward() {
 }
 
 void Reducer::wait_bucket(Bucket& bucket) {
+  if (bucket.skipped) return;
   bucket.future->wait();
   if (!bucket.future->hasError()) return;
   std::string error = bucket.future->tryRetrieveErrorMessage();
@@ -75,6 +76,7 @@ bool Reducer::globally_unused(size_t index) const {
 // Mirrors torch's finalize_bucket_dense: a globally unused parameter keeps its grad;
 // otherwise grad becomes (or receives) the reduced bucket slot.
 void Reducer::finalize_bucket(Bucket& bucket) {
+  if (bucket.skipped) return;  // torch leaves a skipped bucket's grads untouched
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const size_t index = bucket.params[slot];
     if (globally_unused(index)) continue;
@@ -115,6 +117,50 @@ void Reducer::fail_unready() {
               "never reduced: ", missing.str(), ". These parameters were not used to compute "
               "the loss: pass find_unused_parameters=True to DistributedDataParallel, or make "
               "sure every parameter takes part (or set requires_grad=False before wrapping).");
+}
+
+// Note [Abandoned step]
+// A backward that raised (or was interrupted) never reaches finalize_backward: the engine
+// drops its queued callbacks. The next forward finds the step still in kBackward. Its
+// launched collectives are waited for (they complete when every rank launched them, which
+// holds when the failure is the same on every rank; else they fail within the group's
+// timeout and the error names the bucket), the step is discarded, and the forward goes on
+// with a note saying exactly what was abandoned. torch's DDP instead refuses every later
+// forward ("Expected to have finished reduction in the prior iteration").
+std::string Reducer::abandon_unfinished_step() {
+  size_t ready = 0;
+  for (uint8_t m : marked_) ready += m;
+  const size_t launched = next_launch_;
+  std::ostringstream note;
+  note << "pycomm DDP (rank " << rank_ << "): the previous backward did not finish (an "
+       << "exception was raised in it, or it was interrupted): " << ready << " of "
+       << params_.size() << " parameters had their gradient ready";
+  if (last_hooked_ >= 0) note << ", the last one " << names_[last_hooked_];
+  note << "; " << launched << " of " << buckets_.size() << " buckets had launched";
+  if (launched < buckets_.size()) {
+    note << ", bucket " << launched << " of " << buckets_.size() << " (parameters "
+         << describe_params(*buckets_[launched], names_) << ") and later had not";
+  }
+  drain_launched();
+  for (size_t b = 0; b < launched; ++b) {
+    const FuturePtr& future = buckets_[b]->future;
+    if (future && future->hasError()) {
+      const std::string error = future->tryRetrieveErrorMessage();
+      reset_step();
+      local_used_.zero_();
+      state_ = State::kIdle;
+      TORCH_CHECK(false, note.str(), ". Waiting for the collective of bucket ", b,
+                  " it launched failed (did another rank fail elsewhere in that backward?): ",
+                  error);
+    }
+  }
+  reset_step();
+  local_used_.zero_();
+  if (record_order_) order_.clear();  // a partial ready order must not seed the rebuild
+  note << ". Its launched collectives completed and the step was discarded; param.grad may "
+       << "still hold this rank's unreduced gradients from it (zero_grad() before the next "
+       << "backward).";
+  return note.str();
 }
 
 void Reducer::drain_launched() noexcept {
@@ -165,9 +211,23 @@ void Reducer::end_recorded_step() {
   rebuild_pending_ = !rebuilt_;
 }
 
-void Reducer::note_shadowed_step() {
+void Reducer::note_shadowed_step(const std::optional<at::Tensor>& global_used) {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (global_used && options_.static_graph && track_used_) {
+    const at::Tensor used = global_used->to(at::kCPU, at::kInt).contiguous();
+    TORCH_CHECK_VALUE(used.numel() == static_cast<int64_t>(params_.size()),
+                      "note_shadowed_step: usage of ", used.numel(), " parameters, expected ",
+                      params_.size());
+    const int32_t* counts = used.data_ptr<int32_t>();
+    for (size_t i = 0; i < params_.size(); ++i) static_unused_[i] = counts[i] == 0;
+    track_used_ = false;
+  }
   end_recorded_step();
+}
+
+bool Reducer::tracks_usage() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return track_used_;
 }
 
 bool Reducer::should_rebuild_buckets() const {

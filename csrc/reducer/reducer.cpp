@@ -127,6 +127,9 @@ void Reducer::reset_step() {
   std::fill(ready_ns_.begin(), ready_ns_.end(), -1);
   for (auto& bucket : buckets_) {
     bucket->pending = bucket->params.size();
+    bucket->unused = 0;
+    bucket->skipped = false;
+    bucket->deferred.clear();
     bucket->future.reset();
     bucket->ready_ns = bucket->launch_ns = -1;
     bucket->done_ns.store(-1);
@@ -135,11 +138,12 @@ void Reducer::reset_step() {
   }
   used_future_.reset();
   backward_start_ns_ = -1;
+  last_hooked_ = -1;
 }
 
-void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
+std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ == State::kBackward) fail_unready();
+  std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
   for (size_t i = 0; i < params_.size(); ++i) {
     TORCH_CHECK_VALUE(params_[i].requires_grad(), "parameter ", names_[i],
                       " no longer requires grad: requires_grad changed after "
@@ -161,12 +165,14 @@ void Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
     }
   }
   state_ = State::kPrepared;
+  return note;
 }
 
-void Reducer::prepare_no_sync() {
+std::string Reducer::prepare_no_sync() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ == State::kBackward) fail_unready();
+  std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
   state_ = State::kIdle;
+  return note;
 }
 
 void Reducer::find_unused(const std::vector<at::Tensor>& outputs) {
@@ -206,6 +212,7 @@ void Reducer::begin_backward_locked() {
   torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
     if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
   });
+  for (size_t index : unused_) ++buckets_[locator_[index].first]->unused;
   for (size_t index : unused_) mark_ready(index, /*used=*/false);
 }
 
@@ -218,6 +225,7 @@ void Reducer::autograd_hook(size_t index) {
               names_[index], " got a gradient after this step was already reduced: backward "
               "ran twice without a forward through the DistributedDataParallel wrapper");
   if (state_ == State::kPrepared) begin_backward_locked();
+  last_hooked_ = static_cast<int64_t>(index);
   TORCH_CHECK(!marked_[index], "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
               " was marked ready twice in one backward (used in a reentrant backward or "
               "outside the module's outputs); find_unused_parameters=True cannot apply to it");
@@ -232,6 +240,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   if (options_.record_timeline && used) ready_ns_[index] = now_ns();
   if (record_order_) order_.push_back(index);
   if (--bucket.pending == 0) {
+    if (options_.batched_grad_copy) flush_batched(bucket);
     bucket.ready_ns = now_ns();
     if (stamps_) bucket.ready_stamp = stamps_->stamp();
     if (!gate_) launch_ready_buckets();
@@ -253,6 +262,16 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   }
   TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
                     "pycomm DDP reduces dense gradients only (use sparse=False)");
+  if (options_.batched_grad_copy && !grad.is_alias_of(view)) {
+    // See ReducerOptions::batched_grad_copy. A grad that requires grad (create_graph)
+    // is copied now, unscaled too, so the bucket's one division covers it exactly once.
+    if (grad.requires_grad()) {
+      view.copy_(grad.detach());
+    } else {
+      bucket.deferred.push_back(slot);
+    }
+    return;
+  }
   if (grad.is_alias_of(view)) {
     if (divide) view.div_(div_factor_);
     return;
@@ -293,7 +312,41 @@ void Reducer::launch_ready_buckets() {
   }
 }
 
+bool Reducer::skips(const Bucket& bucket) const {
+  return options_.skip_all_reduce_unused && bucket.unused == bucket.params.size();
+}
+
+// batched_grad_copy: the bucket's deferred copies in one _foreach_copy_, then one division
+// of the whole bucket (zeroed slots of undefined grads divide to zero).
+void Reducer::flush_batched(Bucket& bucket) {
+  if (!bucket.deferred.empty()) {
+    std::vector<at::Tensor> views;
+    std::vector<at::Tensor> grads;
+    views.reserve(bucket.deferred.size());
+    grads.reserve(bucket.deferred.size());
+    for (size_t slot : bucket.deferred) {
+      views.push_back(bucket.views[slot]);
+      grads.push_back(params_[bucket.params[slot]].grad());
+    }
+    at::_foreach_copy_(views, grads);
+    if (options_.gradient_as_bucket_view) {
+      for (size_t slot : bucket.deferred) {
+        at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+        if (grad.scalar_type() == bucket.views[slot].scalar_type()) grad = bucket.views[slot];
+      }
+    }
+    bucket.deferred.clear();
+  }
+  if (hook_->reducer_divides() && !gate_) bucket.buffer.div_(div_factor_);  // gate: it divides
+}
+
 void Reducer::launch(Bucket& bucket) {
+  if (skips(bucket)) {  // see ReducerOptions::skip_all_reduce_unused: no communication
+    bucket.skipped = true;
+    bucket.launch_ns = bucket.ready_ns;
+    bucket.done_ns.store(bucket.ready_ns);
+    return;
+  }
   for (auto& callback : pre_launch_) callback(bucket);
   bucket.launch_ns = now_ns();
   FuturePtr future = hook_->run(bucket, buckets_.size(), params_);

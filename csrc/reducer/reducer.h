@@ -36,6 +36,14 @@ struct ReducerOptions {
   bool record_timeline = true;
   int64_t timeline_steps = 64;
   std::optional<at::ScalarType> reduce_dtype;
+  // torch's skip_all_reduce_unused_params: a bucket whose parameters are all unused on
+  // this rank this step is not reduced and its grads are left untouched. The unused set
+  // must be the same on every rank (as torch requires), else the collectives mismatch.
+  bool skip_all_reduce_unused = false;
+  // torch's batched_grad_copy: grads land in their bucket unscaled, copied all at once
+  // (one _foreach_copy_) when the bucket is complete, then one division of the whole
+  // bucket by the world size (torch's numerics in that mode: x / n, not x * (1/n)).
+  bool batched_grad_copy = false;
   // With reduce_dtype: leave param.grad None for widened parameters after the reduction;
   // the reduced gradient is their fp32 bucket view only (See Note [main_grad accumulation]).
   bool main_grad_only = false;
@@ -64,14 +72,21 @@ class Reducer {
   Reducer& operator=(const Reducer&) = delete;
 
   // Forward of a synchronized step (grad enabled, outside no_sync): arms the hooks.
-  void prepare_for_backward(const std::vector<at::Tensor>& outputs);
+  // Both return a non-empty note when the previous backward did not finish (see Note
+  // [Abandoned step]); the step it left is drained and discarded first.
+  std::string prepare_for_backward(const std::vector<at::Tensor>& outputs);
   // Forward inside no_sync (or without grad): hooks only record usage.
-  void prepare_no_sync();
+  std::string prepare_no_sync();
   void rebuild_buckets(const std::vector<std::vector<size_t>>& assignment);
   bool should_rebuild_buckets() const;
   // A joined rank shadowed a synchronized step (join): it counts as the recorded step, so
-  // this rank takes part in the one bucket rebuild with the ranks that ran it.
-  void note_shadowed_step();
+  // this rank takes part in the one bucket rebuild with the ranks that ran it. When the
+  // step reduced parameter usage (tracks_usage()), `global_used` is the shadowed result:
+  // static_graph learns its unused set from it, as the ranks that ran the step did.
+  void note_shadowed_step(const std::optional<at::Tensor>& global_used);
+  // Whether the next synchronized step all-reduces parameter usage after its last bucket
+  // (find_unused_parameters, or static_graph's first step).
+  bool tracks_usage() const;
   // Parameter indices in the order their grads became ready in the recorded step,
   // completed with the never-ready ones (reverse index order) so every rank has them all.
   std::vector<size_t> ready_order() const;
@@ -113,7 +128,10 @@ class Reducer {
   void wait_bucket(Bucket& bucket);
   void finalize_bucket(Bucket& bucket);
   void fail_unready();
+  std::string abandon_unfinished_step();
   void drain_launched() noexcept;
+  bool skips(const Bucket& bucket) const;
+  void flush_batched(Bucket& bucket);
   void push_timeline(int64_t finalize_start_ns);
   bool globally_unused(size_t index) const;
   void find_unused(const std::vector<at::Tensor>& outputs);
@@ -123,7 +141,9 @@ class Reducer {
   bool finish_accumulated(size_t index, at::Tensor& view, bool divide);
   std::vector<std::pair<size_t, at::Tensor>> save_accumulated() const;
   // deferred.cpp (See Note [Deferred launch]).
-  bool divides_in_copy() const { return hook_->reducer_divides() && !gate_; }
+  bool divides_in_copy() const {
+    return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
+  }
   void open_launch_gate();
 
   std::vector<at::Tensor> params_;
@@ -152,6 +172,7 @@ class Reducer {
   size_t next_launch_ = 0;
   std::vector<uint8_t> marked_;
   std::vector<size_t> unused_;         // marked ready (zero) at backward start
+  int64_t last_hooked_ = -1;           // the last parameter a hook marked ready this step
   at::Tensor scale_;                   // 1 / div_factor_, a wrapped scalar
   int64_t step_ = 0;
 

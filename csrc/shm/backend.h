@@ -64,17 +64,30 @@ class ShmBackend : public c10d::Backend {
   using Body = std::function<void(const OpContext&)>;
   using Lane = std::shared_ptr<Executor>;
   // Queue `body` as operation `op` on `lane`; its Work's result() and future hold `outputs`.
+  // `blocking`: the caller waits on the Work at once (See Note [Waiting helps]).
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         const Lane& lane);
+                                         const Lane& lane, bool blocking = false);
+  template <typename Options>
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
-                                         std::vector<at::Tensor> outputs, Body body) {
-    return enqueue(op, type, std::move(outputs), std::move(body), collectives_);
+                                         std::vector<at::Tensor> outputs, Body body,
+                                         const Options& opts) {
+    return enqueue(op, type, std::move(outputs), std::move(body), collectives_,
+                   is_blocking(opts));
+  }
+  template <typename Options>
+  static bool is_blocking(const Options& opts) {
+#if PYCOMM_TORCH_AT_LEAST(2, 8)  // the options' asyncOp appeared in torch 2.8
+    return !opts.asyncOp;
+#else
+    return false;
+#endif
   }
   void stop();
   void run(const char* op, uint64_t seq, const Body& body);
   c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
-                                             const at::Tensor& input);
+                                             const at::Tensor& input,
+                                             const c10d::AllgatherOptions& opts);
 
   std::unique_ptr<Channel> channel_;
   std::chrono::milliseconds timeout_;

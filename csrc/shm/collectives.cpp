@@ -47,8 +47,12 @@ char* Channel::peer_slot(int peer) const { return segment_->slot(peer, slot_inde
 void Channel::phase(const OpContext& ctx) {
   ++step_;
   Sync::publish(segment_->rank(rank_).step, step_);
+  wait_peers(step_, ctx);
+}
+
+void Channel::wait_peers(uint32_t target, const OpContext& ctx) {
   for (int p = 0; p < world_; ++p) {
-    if (p != rank_) sync_.wait(segment_->rank(p).step, step_, p, ctx);
+    if (p != rank_) sync_.wait(segment_->rank(p).step, target, p, ctx);
   }
 }
 
@@ -68,17 +72,13 @@ void Channel::broadcast(char* data, size_t bytes, int root, const OpContext& ctx
   }
 }
 
-void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype,
-                        c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
-  reduce_parts(data, n, dtype, op, -1, ctx);
-}
-
 void Channel::reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                      int root, const OpContext& ctx) {
   reduce_parts(data, n, dtype, op, root, ctx);
 }
 
-// root < 0: every rank receives the result (all-reduce); else only `root` does.
+// root < 0: every rank receives the result; else only `root` does. all_reduce has its own
+// paths (allreduce.cpp); this one serves reduce.
 void Channel::reduce_parts(char* data, int64_t n, c10::ScalarType dtype,
                            c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
   const size_t elem = c10::elementSize(dtype);

@@ -7,10 +7,10 @@
 // a collective: each rank writes its contribution into its own slot (slot = round % 2),
 // bumps its step and waits until every rank's step has reached the same value (a
 // "phase"), then reads what it needs from the others' slots. All ranks take the same
-// phases in the same order, so equal step values mean equal progress. Two slots per rank
-// make the "done reading" signal unnecessary: a rank rewrites the slot of round r only in
-// round r + 2, after it saw every rank arrive in round r + 1, which each rank does only
-// after it finished reading round r.
+// phases in the same order, so equal step values mean equal progress. Two slots or more
+// per rank (rounds take them in turn) make the "done reading" signal unnecessary: a rank
+// rewrites the slot of round r at round r + 2 at the earliest, after it saw every rank
+// arrive in round r + 1, which each rank does only after it finished reading round r.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -41,6 +41,7 @@ class Channel {
   void barrier(const OpContext& ctx);
   void broadcast(char* data, size_t bytes, int root, const OpContext& ctx);
   // In place; the same elementwise order on every rank, so all ranks get identical bits.
+  // See Note [All-reduce paths] (allreduce.cpp).
   void allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                  const OpContext& ctx);
   void reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
@@ -60,6 +61,12 @@ class Channel {
   char* begin_round();
   char* peer_slot(int peer) const;
   void phase(const OpContext& ctx);
+  // Wait until every other rank's step has reached `target`.
+  void wait_peers(uint32_t target, const OpContext& ctx);
+  void allreduce_whole(char* data, int64_t n, c10::ScalarType dtype,
+                       c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+  void allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
+                           c10d::ReduceOp::RedOpType op, const OpContext& ctx);
   void allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
                        c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx);
   void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,

@@ -15,7 +15,7 @@ namespace {
 constexpr int64_t kBlock = 256;
 
 template <typename T, typename Combine>
-void reduce_loop(T* out, const void* const* srcs, int nsrc, int64_t n, Combine combine,
+void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, Combine combine,
                  at::opmath_type<T> scale, bool scaled) {
   using Acc = at::opmath_type<T>;
   Acc acc[kBlock];
@@ -31,26 +31,29 @@ void reduce_loop(T* out, const void* const* srcs, int nsrc, int64_t n, Combine c
       for (int64_t i = 0; i < len; ++i) acc[i] *= scale;
     }
     for (int64_t i = 0; i < len; ++i) out[base + i] = static_cast<T>(acc[i]);
+    if (copy != nullptr) {
+      for (int64_t i = 0; i < len; ++i) copy[base + i] = static_cast<T>(acc[i]);
+    }
   }
 }
 
 template <typename T>
-void reduce_typed(c10d::ReduceOp::RedOpType reduce, T* out, const void* const* srcs, int nsrc,
-                  int64_t n, int world) {
+void reduce_typed(c10d::ReduceOp::RedOpType reduce, T* out, T* copy, const void* const* srcs,
+                  int nsrc, int64_t n, int world) {
   using Acc = at::opmath_type<T>;
   switch (reduce) {
     case c10d::ReduceOp::SUM:
     case c10d::ReduceOp::AVG:
-      return reduce_loop<T>(out, srcs, nsrc, n, [](Acc a, Acc b) { return a + b; },
+      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a + b; },
                             static_cast<Acc>(1.0 / world), reduce == c10d::ReduceOp::AVG);
     case c10d::ReduceOp::PRODUCT:
-      return reduce_loop<T>(out, srcs, nsrc, n, [](Acc a, Acc b) { return a * b; }, Acc(1),
+      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a * b; }, Acc(1),
                             false);
     case c10d::ReduceOp::MAX:
-      return reduce_loop<T>(out, srcs, nsrc, n, [](Acc a, Acc b) { return b > a ? b : a; },
+      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return b > a ? b : a; },
                             Acc(1), false);
     case c10d::ReduceOp::MIN:
-      return reduce_loop<T>(out, srcs, nsrc, n, [](Acc a, Acc b) { return b < a ? b : a; },
+      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return b < a ? b : a; },
                             Acc(1), false);
     default:
       TORCH_CHECK(false, "pycomm shm: unsupported reduce op ", static_cast<int>(reduce));
@@ -79,10 +82,11 @@ void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp
 }
 
 void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, void* out,
-                    const void* const* srcs, int nsrc, int64_t n, int world) {
+                    const void* const* srcs, int nsrc, int64_t n, int world, void* copy) {
   if (n == 0) return;
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "pycomm_shm_reduce", [&] {
-    reduce_typed<scalar_t>(reduce, static_cast<scalar_t*>(out), srcs, nsrc, n, world);
+    reduce_typed<scalar_t>(reduce, static_cast<scalar_t*>(out), static_cast<scalar_t*>(copy),
+                           srcs, nsrc, n, world);
   });
 }
 

@@ -13,9 +13,11 @@ namespace pycomm::shm {
 // Throw a ValueError naming `op` unless `dtype` and `reduce` are supported.
 void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp& reduce);
 
-// out[i] = reduce(srcs[0][i], ..., srcs[nsrc-1][i]) for i < n, divided by `world` for AVG.
-// `out` may alias one of `srcs`.
+// out[i] = reduce(srcs[0][i], ..., srcs[nsrc-1][i]) for i < n, divided by `world` for AVG,
+// also stored to `copy` when it is not null (a second destination for free while the
+// result is in registers). `out` may alias one of `srcs`; `copy` may not.
 void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, void* out,
-                    const void* const* srcs, int nsrc, int64_t n, int world);
+                    const void* const* srcs, int nsrc, int64_t n, int world,
+                    void* copy = nullptr);
 
 }  // namespace pycomm::shm

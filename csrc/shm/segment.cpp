@@ -38,7 +38,8 @@ Segment::Segment(const std::string& name, int rank, int world, size_t slot_bytes
     TORCH_CHECK(false, "pycomm shm: cannot size segment ", name, " to ", mapped_bytes_,
                 " bytes: ", std::strerror(err));
   }
-  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_POPULATE: the page faults of first touch are taken here, not in the first operations.
+  void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   int err = errno;
   close(fd);
   if (p == MAP_FAILED && create) shm_unlink(name.c_str());

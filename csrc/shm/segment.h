@@ -16,7 +16,7 @@
 namespace pycomm::shm {
 
 constexpr uint64_t kMagic = 0x70636f6d6d73686dULL;  // "pcommshm"
-constexpr int kSlotsPerRank = 2;                      // See Note [Step counters]
+constexpr int kSlotsPerRank = 4;  // See Note [Step counters] and Note [All-reduce paths]
 constexpr size_t kCacheLine = 64;
 
 // A 32-bit word a futex can wait on, with a count of the ranks asleep on it, so that a

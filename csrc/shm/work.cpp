@@ -53,6 +53,17 @@ void Executor::submit(c10::intrusive_ptr<ShmWork> work, Body body) {
   cv_.notify_one();
 }
 
+void Executor::run_or_submit(c10::intrusive_ptr<ShmWork> work, Body body) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  TORCH_CHECK(!stop_, "pycomm shm: the process group has been shut down");
+  bool idle = !busy_ && queue_.empty();
+  queue_.push_back(Task{std::move(work), std::move(body)});
+  if (idle) run_front(lock);
+  bool more = !busy_ && !queue_.empty();
+  lock.unlock();
+  if (more) cv_.notify_one();  // not idle, or queued by another thread meanwhile
+}
+
 void Executor::run(Task& task) {
   std::exception_ptr error;
   try {

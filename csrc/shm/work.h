@@ -5,7 +5,11 @@
 // A thread that waits on a Work whose operation has not started yet, while the worker is
 // idle, runs the queued operations itself (in order, one at a time, as the worker would).
 // A blocking collective thus costs no thread hand-off, while asynchronous ones still
-// progress on the worker without anybody waiting.
+// progress on the worker without anybody waiting. A call that torch marks blocking
+// (asyncOp false in its options: the caller waits on the Work right after) goes further:
+// when the lane is idle it runs at once on the calling thread and the worker is not even
+// woken (Executor::run_or_submit): no wake-up of a thread that would find nothing to do,
+// which on a busy 2-core machine preempts the peer rank.
 #pragma once
 
 #include <ATen/core/ivalue.h>
@@ -49,6 +53,9 @@ class Executor {
   Executor();
   ~Executor();
   void submit(c10::intrusive_ptr<ShmWork> work, Body body);
+  // Run `body` on this thread now when the lane is idle, else submit it (See Note
+  // [Waiting helps]).
+  void run_or_submit(c10::intrusive_ptr<ShmWork> work, Body body);
   // Run queued operations on this thread while the worker is idle, until `work` has run
   // or is running elsewhere.
   void help(const ShmWork* work);

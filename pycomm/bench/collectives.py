@@ -78,6 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default=None,
                    help="torch.distributed backend (default: nccl with a GPU per rank, "
                         "else gloo; required under torchrun)")
+    p.add_argument("--oversubscribe", action="store_true",
+                   help="allow more CPU ranks than cores (the figures then measure the "
+                        "scheduler too; a warning says so in the output)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per rank; 0 keeps torch's default (default: 1 on "
                         "CPU backends)")
@@ -133,7 +136,11 @@ def _world(ns: argparse.Namespace) -> tuple[int, Optional[str]]:
     return nproc, ns.backend or common.default_backend(nproc)
 
 
-def _check_backend(backend: str, nproc: int, local: bool) -> None:
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _check_backend(backend: str, nproc: int, local: bool, oversubscribe: bool) -> None:
     available = getattr(dist, "is_backend_available", None)
     if not (available(backend) if available else backend in dist.Backend.backend_list):
         raise UsageError("--backend", f"{backend!r} is not available in this torch "
@@ -143,10 +150,17 @@ def _check_backend(backend: str, nproc: int, local: bool) -> None:
     if backend == "nccl" and torch.cuda.device_count() < nproc:
         raise UsageError("--nproc", f"{nproc} NCCL ranks need {nproc} GPUs; this machine "
                          f"has {torch.cuda.device_count()}")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    if backend != "nccl" and nproc > cores:
+    cores = _cores()
+    if backend != "nccl" and nproc > cores and not oversubscribe:
         raise UsageError("--nproc", f"{nproc} CPU ranks on {cores} cores would measure the "
-                         f"scheduler; use at most {cores}")
+                         f"scheduler; use at most {cores} (or --oversubscribe)")
+
+
+def _oversubscribed(backend: str, nproc: int, local: bool) -> str:
+    if not local or backend == "nccl" or nproc <= _cores():
+        return ""
+    return (f"oversubscribed: {nproc} CPU ranks on {_cores()} cores (--oversubscribe); "
+            f"these figures measure the scheduler as much as the backend")
 
 
 def _check_memory(max_size: int, nproc: int) -> None:
@@ -215,6 +229,7 @@ def _command(ns: argparse.Namespace, cfg: Config, local: bool) -> str:
             "-o", ",".join(cfg.ops), "-r", str(cfg.root), "--threads", str(cfg.threads or 0)]
     args += ["--ranks-avg"] if cfg.ranks_avg else []
     args += ["--nproc", str(ns.nproc or 2)] if local else []
+    args += ["--oversubscribe"] if ns.oversubscribe else []
     return shlex.join(args + (["--backend", ns.backend] if ns.backend else []))
 
 
@@ -229,9 +244,10 @@ def configure(ns: argparse.Namespace) -> tuple[Config, int, str]:
     ops = _names(ns.op, OPS, {}, "-o/--op")
     dtypes = _names(ns.dtype, DTYPES, DTYPE_ALIASES, "-d/--dtype")
     reducing = any(COLLECTIVES[n].reduces for n in names)
-    if reducing and "avg" in ops and "int32" in dtypes and "all" not in (ns.op, ns.dtype):
+    ints = [d for d in dtypes if not DTYPES[d][0].is_floating_point]
+    if reducing and "avg" in ops and ints and "all" not in (ns.op, ns.dtype):
         # With `all` on either side the pair is skipped instead (see collectives_run).
-        raise UsageError("-o/--op", "avg needs a floating -d/--dtype (an int32 average "
+        raise UsageError("-o/--op", f"avg needs a floating -d/--dtype (an {ints[0]} average "
                          "truncates, so its result is not exact)")
     world, backend = _world(ns)
     if not 0 <= ns.root < world:
@@ -241,7 +257,7 @@ def configure(ns: argparse.Namespace) -> tuple[Config, int, str]:
             raise UsageError("--nproc", f"{name} needs at least "
                              f"{COLLECTIVES[name].min_world} ranks, got {world}")
     local = not common.under_torchrun()
-    _check_backend(backend, world, local)
+    _check_backend(backend, world, local, ns.oversubscribe)
     if local:
         _check_memory(sizes[-1], world)
     _check_outputs(ns)
@@ -251,7 +267,8 @@ def configure(ns: argparse.Namespace) -> tuple[Config, int, str]:
                  threads or None, ns.json, ns.csv, ns.plot, sys.stderr.isatty())
     if local and reducing:
         _probe_reductions(backend, cfg.ops, dtypes)
-    return replace(cfg, command=_command(ns, cfg, local)), world, backend
+    return (replace(cfg, command=_command(ns, cfg, local),
+                    warning=_oversubscribed(backend, world, local)), world, backend)
 
 
 def _body(cfg: Config):

@@ -25,9 +25,10 @@ from .sizes import format_size
 # dtype name -> (torch dtype, nccl-tests' type name)
 DTYPES = {"float32": (torch.float32, "float"), "float16": (torch.float16, "half"),
           "bfloat16": (torch.bfloat16, "bfloat16"), "float64": (torch.float64, "double"),
-          "int32": (torch.int32, "int32")}
+          "int32": (torch.int32, "int32"), "int64": (torch.int64, "int64")}
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16",
-                 "bf16": "bfloat16", "double": "float64", "fp64": "float64", "int": "int32"}
+                 "bf16": "bfloat16", "double": "float64", "fp64": "float64", "int": "int32",
+                 "long": "int64"}
 OPS = ("sum", "avg", "max", "min")
 
 # Test-only: the rank named here adds 1 to one element of its result in the correctness
@@ -53,6 +54,9 @@ class Config:
     plot: Optional[str] = None
     progress: bool = False
     command: str = ""
+    # Set when --oversubscribe let more CPU ranks run than there are cores: printed as a
+    # warning under the header, since such figures measure the scheduler too.
+    warning: str = ""
 
 
 def skipped(op: str, dtype: str) -> bool:
@@ -141,6 +145,8 @@ def run(cfg: Config, emit: Callable[[str], None] = lambda line: None) -> Report:
     device = common.device_of(backend)
     meta = _meta(cfg, backend)
     emit(metadata_lines(meta, ",".join(cfg.collectives)))
+    if cfg.warning:
+        emit(f"# WARNING: {cfg.warning}")
     points = list(_points(cfg, world))
     rows, section = [], None
     show = _progress if cfg.progress and rank == 0 else lambda _: None
