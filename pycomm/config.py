@@ -57,13 +57,16 @@ class DDPConfig:
     """How many of the most recent steps the timeline ring keeps."""
 
     grad_reduce_dtype: Optional[torch.dtype] = None
-    """Reduce bf16/fp16 gradients in this dtype (e.g. torch.float32): their buckets are
-    allocated in it, grads are widened while copied in (then scaled by 1/world in the wide
-    type), summed in it, and cast back into param.grad at finalize. Each such parameter
-    also gets `param.main_grad`, Megatron-style: its fp32 view into the bucket, holding the
-    averaged, reduced gradient after backward (valid until the next backward). Parameters
-    already in a wider dtype are unaffected. With it, gradient_as_bucket_view cannot make
-    param.grad a bucket view for those parameters (dtypes differ); they are copied."""
+    """Accumulate and reduce bf16/fp16 gradients in this dtype (e.g. torch.float32),
+    Megatron's main_grad: their buckets are allocated in it and each such parameter gets
+    `param.main_grad`, its wide view into the bucket. Every gradient autograd produces,
+    inside no_sync or not, is added into main_grad in the wide dtype (fused accumulate) and
+    param.grad is freed (None between micro-steps); the synchronized backward scales the
+    sum by 1/world and reduces it in the wide dtype. After it, main_grad holds the averaged
+    reduced gradient (valid until the next backward) and param.grad receives it cast to the
+    parameter's dtype, unless main_grad_only. The sum restarts after each synchronized
+    backward. Parameters already in a wider dtype are unaffected. See Note [main_grad
+    accumulation] in csrc/reducer/main_grad.cpp."""
 
     skip_all_reduce_unused_params: bool = False
     """torch's option: a bucket whose parameters all went unused on this rank in a step is
@@ -92,6 +95,23 @@ class DDPConfig:
     default: each bucket then also waits for the slowest rank to reach it, which costs
     more than it saves on compute-heavy steps and on a machine shared with other work
     (see benchmarks/results/ddp_v2_2ranks_cpu.md)."""
+    main_grad_only: bool = False
+    """With grad_reduce_dtype: the reduced gradient of a bf16/fp16 parameter is left in
+    param.main_grad (wide dtype) only and param.grad stays None, for an optimizer keeping
+    fp32 master weights that reads main_grad (no rounding to the parameter's dtype, no
+    second copy). False: param.grad also gets it in the parameter's dtype (drop-in)."""
+
+    local_clip_max_norm: Optional[float] = None
+    """Clip each rank's local gradients to this total norm BEFORE the all-reduce (Horovod's
+    other order; ddp.clip_grad_norm_ clips after it). The reducer then launches no bucket
+    while backward runs: at its end one fused pass takes the local norm over all buckets,
+    one pass scales them by the clip coefficient (1/world folded in), and every bucket is
+    launched in order. This gives up all overlap of communication with backward. See
+    Note [Clip after vs before the all-reduce] in pycomm/clip.py; ddp.local_grad_norm()
+    returns the local norm of the last synchronized backward."""
+
+    local_clip_norm_type: float = 2.0
+    """The norm order of local_clip_max_norm (as torch's clip_grad_norm_: > 0 or inf)."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
@@ -105,6 +125,15 @@ class DDPConfig:
         if self.grad_reduce_dtype is not None and not self.grad_reduce_dtype.is_floating_point:
             raise ValueError(f"grad_reduce_dtype must be a floating dtype, got "
                              f"{self.grad_reduce_dtype}")
+
+        if self.main_grad_only and self.grad_reduce_dtype is None:
+            raise ValueError("main_grad_only needs grad_reduce_dtype (e.g. torch.float32)")
+        if self.local_clip_max_norm is not None and not self.local_clip_max_norm > 0:
+            raise ValueError(f"local_clip_max_norm must be positive, got "
+                             f"{self.local_clip_max_norm}")
+        if not self.local_clip_norm_type > 0:
+            raise ValueError(f"local_clip_norm_type must be > 0 or inf, got "
+                             f"{self.local_clip_norm_type}")
 
     def bucket_byte_limits(self) -> list[int]:
         """Byte caps per bucket in launch order (the last repeats)."""

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from . import _C, overlap
+from .clip import attach_local_clip
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
@@ -239,9 +240,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                                   c.grad_reduce_dtype,
                                   skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
                                   batched_grad_copy=c.batched_grad_copy,
-                                  inline_collectives=c.inline_collectives)
+                                  inline_collectives=c.inline_collectives,
+                                  main_grad_only=c.main_grad_only)
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
+        self._local_clip = attach_local_clip(self.reducer, c)
 
     def _set_main_grads(self) -> None:
         if self.config.grad_reduce_dtype is None:
@@ -337,6 +340,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         from .clip import clip_ddp_grad_norm_
         return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
+    def local_grad_norm(self) -> Optional[torch.Tensor]:
+        """With config.local_clip_max_norm: this rank's total gradient norm before it was
+        clipped, of the last synchronized backward (a tensor, no host sync); else None."""
+        return None if self._local_clip is None else self._local_clip.total_norm()
+
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's protocol: hook(state, dist.GradBucket) -> torch.futures.Future[Tensor]."""
         if not callable(hook):
@@ -407,7 +415,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __getstate__(self) -> dict:
         attrs = copy.copy(self.__dict__)
         for key in ("process_group", "_gradient_pg", "reducer", "_comm_hook", "_bucket_norms",
-                    "_delayed"):
+                    "_delayed", "_local_clip"):
             attrs.pop(key, None)
         return attrs
 

@@ -171,6 +171,14 @@ def test_unsupported_norm_type_is_refused_clearly():
         pycomm.clip_grad_norm_(ours, 1.0, norm_type=float("-inf"))
 
 
+def test_non_tensor_parameter_is_refused_clearly():
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(TypeError, match=r"parameters\[1\] is a str, not a Tensor"):
+        pycomm.clip_grad_norm_([p, "weight"], 1.0)
+
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA build")
 def test_gradients_on_two_devices_like_torch():
     ours, ref = _twin_params(SHAPES, torch.float32, "cpu")

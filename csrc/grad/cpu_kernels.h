@@ -9,6 +9,7 @@
 
 #include <ATen/Dispatch.h>
 
+#include <cmath>
 #include <utility>
 
 #include "grad/grad_math.h"
@@ -50,35 +51,54 @@ Vec vec_norm_step(const Vec& acc, const Vec& x, const Vec& p) {
   else return acc + x.abs().pow(p);
 }
 
+template <NormKind K, typename Vec>
+Vec vec_norm_combine(const Vec& u, const Vec& v) {
+  if constexpr (K == NormKind::kInf) return at::vec::maximum(u, v);
+  else return u + v;
+}
+
+// Whether any of n elements is inf or nan: the sum of x - x is nan exactly then.
+template <typename T>
+double nonfinite_scan(const T* x, int64_t n) {
+  using Acc = at::opmath_type<T>;
+  Acc nf(0);
+  for (int64_t i = 0; i < n; ++i) nf += static_cast<Acc>(x[i]) - static_cast<Acc>(x[i]);
+  return static_cast<double>(nf);
+}
+
 // The norm partial of n elements (See Note [Norm partials]); nonfinite is 0 or nan here.
+// Four independent accumulators (two loads of two vectors each per step), so the FMA
+// latency chain does not bound a core below memory bandwidth. The hot loop tracks no
+// nonfinite flag: an inf or nan element makes |x|^p, hence acc, inf or nan, so a finite
+// acc proves every element finite, and only a non-finite acc pays a second scan.
 template <NormKind K, typename T>
 std::pair<double, double> norm_piece(const T* x, int64_t n, double p) {
   using OV = OpmathVec<T>;
   using Acc = typename OV::Acc;
   using Vec = typename OV::Vec;
   const Vec pv(static_cast<Acc>(p));
-  Vec acc0(Acc(0)), acc1(Acc(0)), nf0(Acc(0)), nf1(Acc(0));
+  Vec acc0(Acc(0)), acc1(Acc(0)), acc2(Acc(0)), acc3(Acc(0));
   int64_t i = 0;
+  for (; i + 2 * OV::kStep <= n; i += 2 * OV::kStep) {
+    auto [a, b] = OV::load(x + i);
+    auto [c, d] = OV::load(x + i + OV::kStep);
+    acc0 = vec_norm_step<K>(acc0, a, pv);
+    acc1 = vec_norm_step<K>(acc1, b, pv);
+    acc2 = vec_norm_step<K>(acc2, c, pv);
+    acc3 = vec_norm_step<K>(acc3, d, pv);
+  }
   for (; i + OV::kStep <= n; i += OV::kStep) {
     auto [a, b] = OV::load(x + i);
     acc0 = vec_norm_step<K>(acc0, a, pv);
     acc1 = vec_norm_step<K>(acc1, b, pv);
-    nf0 = nf0 + (a - a);
-    nf1 = nf1 + (b - b);
   }
-  const auto combine = [](const Vec& u, const Vec& v) {
-    if constexpr (K == NormKind::kInf) return at::vec::maximum(u, v);
-    else return u + v;
-  };
-  Acc acc = at::vec::vec_reduce_all<Acc>(combine, combine(acc0, acc1));
-  Acc nf = at::vec::vec_reduce_all<Acc>([](const Vec& u, const Vec& v) { return u + v; },
-                                        nf0 + nf1);
-  for (; i < n; ++i) {
-    const Acc v = static_cast<Acc>(x[i]);
-    acc = norm_step<K, Acc>(acc, v, static_cast<Acc>(p));
-    nf += v - v;
-  }
-  return {static_cast<double>(acc), static_cast<double>(nf)};
+  const auto combine = [](const Vec& u, const Vec& v) { return vec_norm_combine<K>(u, v); };
+  Acc acc = at::vec::vec_reduce_all<Acc>(
+      combine, vec_norm_combine<K>(vec_norm_combine<K>(acc0, acc1),
+                                   vec_norm_combine<K>(acc2, acc3)));
+  for (; i < n; ++i) acc = norm_step<K, Acc>(acc, static_cast<Acc>(x[i]), static_cast<Acc>(p));
+  const double nf = std::isfinite(static_cast<double>(acc)) ? 0.0 : nonfinite_scan(x, n);
+  return {static_cast<double>(acc), nf};
 }
 
 // x *= c over one span piece, in opmath.
@@ -87,6 +107,12 @@ void scale_piece(T* x, int64_t n, at::opmath_type<T> c) {
   using OV = OpmathVec<T>;
   const typename OV::Vec cv(c);
   int64_t i = 0;
+  for (; i + 2 * OV::kStep <= n; i += 2 * OV::kStep) {
+    auto [a, b] = OV::load(x + i);
+    auto [d, e] = OV::load(x + i + OV::kStep);
+    OV::store(x + i, a * cv, b * cv);
+    OV::store(x + i + OV::kStep, d * cv, e * cv);
+  }
   for (; i + OV::kStep <= n; i += OV::kStep) {
     auto [a, b] = OV::load(x + i);
     OV::store(x + i, a * cv, b * cv);

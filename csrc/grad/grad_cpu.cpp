@@ -138,12 +138,18 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& factor) {
   for (size_t i : strided) tensors[i].mul_(factor);
   const CpuPieces& pieces = cpu_pieces();
   const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
+  // Each task walks its chunks backwards. After a norm pass over the same list (the same
+  // chunks and tasks), the chunks each thread read last are still in its cache (L2, and
+  // up to 32 MiB of L3 here): scaling them first saves that much of a second read.
   at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
-    for_each_piece(l, begin * kReduceChunk, std::min(l.total(), end * kReduceChunk),
-                   [&](size_t s, int64_t off, int64_t n) {
-      const Span& sp = l.spans[s];
-      pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
-    });
+    for (int64_t chunk = end - 1; chunk >= begin; --chunk) {
+      const int64_t lo = chunk * kReduceChunk;
+      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk),
+                     [&](size_t s, int64_t off, int64_t n) {
+        const Span& sp = l.spans[s];
+        pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
+      });
+    }
   });
 }
 

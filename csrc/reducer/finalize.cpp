@@ -30,6 +30,7 @@ void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ != State::kBackward) return;
   state_ = State::kReduced;
+  if (gate_) open_launch_gate();
   if (next_launch_ < buckets_.size()) fail_unready();
   for (auto& bucket : buckets_) wait_bucket(*bucket);
   if (used_future_) {
@@ -83,6 +84,7 @@ void Reducer::finalize_bucket(Bucket& bucket) {
     const at::Tensor& param = params_[index];
     at::Tensor& grad = params_[index].mutable_grad();
     const bool same_dtype = view.scalar_type() == param.scalar_type();
+    if (!same_dtype && options_.main_grad_only) continue;  // the fp32 view is the result
     if (options_.gradient_as_bucket_view && same_dtype) {
       if (!grad.defined()) {
         grad = view;

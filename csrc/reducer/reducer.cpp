@@ -86,6 +86,7 @@ void Reducer::remove_hooks() {
 void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(state_ != State::kBackward, "cannot rebuild buckets during backward");
+  auto sums = save_accumulated();
   buckets_ = build_buckets(params_, names_, assignment, options_.reduce_dtype);
   locator_.assign(params_.size(), {0, 0});
   for (auto& bucket : buckets_) {
@@ -101,6 +102,11 @@ void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment
         grad = view;
       }
     }
+  }
+  note_widened();
+  for (auto& [index, sum] : sums) {
+    grad_view(index).copy_(sum);
+    accumulated_[index] = 1;
   }
   if (rebuild_pending_) {
     rebuild_pending_ = false;
@@ -213,6 +219,7 @@ void Reducer::begin_backward_locked() {
 void Reducer::autograd_hook(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (track_used_) local_used_.data_ptr<int32_t>()[index] = 1;
+  if (widened_[index]) accumulate_main_grad(index);
   if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
   TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ",
               names_[index], " got a gradient after this step was already reduced: backward "
@@ -236,7 +243,7 @@ void Reducer::mark_ready(size_t index, bool used) {
     if (options_.batched_grad_copy) flush_batched(bucket);
     bucket.ready_ns = now_ns();
     if (stamps_) bucket.ready_stamp = stamps_->stamp();
-    launch_ready_buckets();
+    if (!gate_) launch_ready_buckets();
   }
 }
 
@@ -247,13 +254,14 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   const size_t index = bucket.params[slot];
   at::Tensor& view = bucket.views[slot];
   at::Tensor& grad = params_[index].mutable_grad();
+  const bool divide = divides_in_copy();
+  if (finish_accumulated(index, view, divide)) return;
   if (!grad.defined()) {
     view.zero_();
     return;
   }
   TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
                     "pycomm DDP reduces dense gradients only (use sparse=False)");
-  const bool divide = hook_->reducer_divides() && !options_.batched_grad_copy;
   if (options_.batched_grad_copy && !grad.is_alias_of(view)) {
     // See ReducerOptions::batched_grad_copy. A grad that requires grad (create_graph)
     // is copied now, unscaled too, so the bucket's one division covers it exactly once.
@@ -329,7 +337,7 @@ void Reducer::flush_batched(Bucket& bucket) {
     }
     bucket.deferred.clear();
   }
-  if (hook_->reducer_divides()) bucket.buffer.div_(div_factor_);
+  if (hook_->reducer_divides() && !gate_) bucket.buffer.div_(div_factor_);  // gate: it divides
 }
 
 // Note [Inline collectives]

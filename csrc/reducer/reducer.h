@@ -47,6 +47,9 @@ struct ReducerOptions {
   // The default all-reduce runs on the backward thread as each bucket launches (see
   // Note [Inline collectives] in reducer.cpp); comm hooks stay asynchronous.
   bool inline_collectives = false;
+  // With reduce_dtype: leave param.grad None for widened parameters after the reduction;
+  // the reduced gradient is their fp32 bucket view only (See Note [main_grad accumulation]).
+  bool main_grad_only = false;
 };
 
 // Extension point: called with a bucket whose gradients are all in, before its collective
@@ -54,6 +57,13 @@ struct ReducerOptions {
 // collective's completion callback, possibly on a communication thread, while backward
 // goes on). Throwing fails the step with the bucket named.
 using BucketCallback = std::function<void(Bucket&)>;
+
+// Extension point (See Note [Deferred launch] in reducer/deferred.cpp): with a launch gate,
+// no bucket is launched while backward runs; at its end the gate gets every bucket buffer
+// (local, unaveraged gradients) and the averaging factor the reducer did not apply
+// (1/world, or 1 when a comm hook averages) to fold into its one pass; then every bucket
+// is launched in order.
+using LaunchGate = std::function<void(const std::vector<at::Tensor>& buffers, double divide)>;
 
 class Reducer {
  public:
@@ -88,6 +98,7 @@ class Reducer {
   bool has_python_comm_hook() const { return python_hook_; }
   void add_pre_launch(BucketCallback callback);
   void add_post_done(BucketCallback callback);
+  void set_launch_gate(LaunchGate gate);
   // The averaging divisor of the next steps (world size by default; join lowers it).
   void set_divide_factor(int64_t factor);
 
@@ -127,6 +138,16 @@ class Reducer {
   void push_timeline(int64_t finalize_start_ns);
   bool globally_unused(size_t index) const;
   void find_unused(const std::vector<at::Tensor>& outputs);
+  // main_grad.cpp (See Note [main_grad accumulation]).
+  void note_widened();
+  void accumulate_main_grad(size_t index);
+  bool finish_accumulated(size_t index, at::Tensor& view, bool divide);
+  std::vector<std::pair<size_t, at::Tensor>> save_accumulated() const;
+  // deferred.cpp (See Note [Deferred launch]).
+  bool divides_in_copy() const {
+    return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
+  }
+  void open_launch_gate();
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
@@ -145,6 +166,9 @@ class Reducer {
   bool python_hook_ = false;
   std::vector<BucketCallback> pre_launch_;
   std::vector<BucketCallback> post_done_;
+  LaunchGate gate_;
+  std::vector<uint8_t> widened_;      // param's bucket is wider than the param (reduce_dtype)
+  std::vector<uint8_t> accumulated_;  // its bucket view holds an unreduced local sum
 
   mutable std::mutex mutex_;
   State state_ = State::kIdle;

@@ -1,0 +1,43 @@
+// The launch gate (LaunchGate in reducer.h): buckets launched together at the end of
+// backward, after a callback has seen all of them (clipping local gradients before the
+// all-reduce, csrc/grad/local_clip.cpp).
+//
+// Note [Deferred launch]
+// With a gate, mark_ready fills buckets but launches none, and copy_into_bucket does not
+// pre-divide (divides_in_copy): the buckets hold this rank's local gradients. At the end of
+// backward (finalize_backward, in the engine's final callback) the gate runs once over all
+// buckets with the divisor the reducer skipped, then every bucket launches in index order
+// (See Note [Bucket order]) and finalize waits for them as usual. The cost is overlap:
+//
+//   backward:  [grads of bucket 0][grads of bucket 1][grads of bucket 2]
+//   gate:                                                              [norm][scale]
+//   comm:                                                                          [b0][b1][b2]
+#include "reducer/reducer.h"
+
+namespace pycomm::reducer {
+
+void Reducer::set_launch_gate(LaunchGate gate) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != State::kBackward, "cannot set a launch gate during backward");
+  gate_ = std::move(gate);
+}
+
+void Reducer::open_launch_gate() {
+  for (const auto& bucket : buckets_) {
+    if (bucket->pending != 0) return;  // finalize reports the missing parameters
+  }
+  std::vector<at::Tensor> buffers;
+  buffers.reserve(buckets_.size());
+  for (const auto& bucket : buckets_) buffers.push_back(bucket->buffer);
+  const double divide = hook_->reducer_divides() ? 1.0 / static_cast<double>(div_factor_) : 1.0;
+  try {
+    gate_(buffers, divide);
+  } catch (...) {
+    reset_step();
+    state_ = State::kIdle;
+    throw;
+  }
+  launch_ready_buckets();
+}
+
+}  // namespace pycomm::reducer
