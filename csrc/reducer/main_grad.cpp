@@ -16,6 +16,7 @@
 // sums over (save_accumulated). The sum restarts after each synchronized backward, as
 // torch's does after zero_grad; a param.grad the user left defined is picked up first.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 
 #include "reducer/reducer.h"
 
@@ -27,6 +28,10 @@ void accumulate(const at::Tensor& acc, const at::Tensor& grad) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("pycomm::accumulate_", "")
                        .typed<void(at::TensorList, at::TensorList, double)>();
+  // Not differentiable, and called once per gradient during backward: skip the boxed
+  // Autograd/ADInplaceOrView fallbacks (see clip_grad_norm_impl in csrc/grad/clip.cpp).
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(
+      c10::autograd_dispatch_keyset_with_ADInplaceOrView);
   op.call({acc}, {grad}, 1.0);
 }
 
