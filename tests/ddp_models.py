@@ -209,3 +209,24 @@ def lockstep(rank: int, model: str, steps: int = 3, exact: bool = True,
         else:
             torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-6, msg=f"{what}: buffer {name}")
     return ours
+
+
+def tanh_mlp() -> nn.Module:
+    """A 3-layer tanh MLP (24 -> 300 -> 300 -> 3) with fixed weights: several buckets at
+    small caps, cheap enough for many ranks."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(),
+                         nn.Linear(300, 3))
+
+
+def train_sgd(ddp: nn.Module, rank: int, steps: int = 3) -> list[torch.Tensor]:
+    """`steps` SGD+momentum steps of `ddp` (a tanh_mlp) on rank-dependent data; the
+    parameters after them."""
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 3, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in ddp.parameters()]

@@ -7,37 +7,21 @@ import copy
 
 import torch
 import torch.nn as nn
+from ddp_models import tanh_mlp, train_sgd
 
 import pycomm
 from multirank import run_ranks
 
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(24, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(),
-                         nn.Linear(300, 3))
-
-
-def _train(ddp, rank, steps=3):
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 3, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in ddp.parameters()]
-
-
 def _inline_matches_torch(rank, world):
-    base = _model()
+    base = tanh_mlp()
     cap = 0.1  # several buckets, so that several collectives run inline per backward
     inline = pycomm.DistributedDataParallel(
         copy.deepcopy(base), config=pycomm.DDPConfig(bucket_cap_mb=cap, inline_collectives=True))
     async_ = pycomm.DistributedDataParallel(
         copy.deepcopy(base), config=pycomm.DDPConfig(bucket_cap_mb=cap, inline_collectives=False))
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap)
-    results = [_train(m, rank) for m in (inline, async_, ref)]
+    results = [train_sgd(m, rank) for m in (inline, async_, ref)]
     for a, b, c in zip(*results):
         # Two ranks: each element is one fp32 addition of two pre-scaled halves,
         # commutative and exact, whichever thread runs it.

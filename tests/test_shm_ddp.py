@@ -8,30 +8,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from ddp_models import tanh_mlp, train_sgd
 
 import pycomm
 from multirank import run_ranks
 
 
-def _model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(24, 300), nn.Tanh(), nn.Linear(300, 300), nn.Tanh(),
-                         nn.Linear(300, 3))
-
-
-def _train(ddp, rank, steps=3):
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    for step in range(steps):
-        g = torch.Generator().manual_seed(100 * step + rank)
-        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 3, generator=g)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x), y).backward()
-        opt.step()
-    return [p.detach().clone() for p in ddp.parameters()]
-
-
 def _shm_gradients(rank, world):
-    base = _model()
+    base = tanh_mlp()
     # A small cap: several buckets, the first ones under the parallel-reduction threshold.
     on = pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.1)
     off = pycomm.DistributedDataParallel(
@@ -40,7 +24,7 @@ def _shm_gradients(rank, world):
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.1)
     assert dist.get_backend(on._gradient_pg) == "pycomm"
     assert off._gradient_pg is dist.group.WORLD and on.process_group is dist.group.WORLD
-    results = [_train(m, rank) for m in (on, off, ref)]
+    results = [train_sgd(m, rank) for m in (on, off, ref)]
     for a, b, c in zip(*results):
         if world == 2:
             # Each gradient element is one fp32 addition of two halves: commutative, exact.
