@@ -9,12 +9,16 @@ namespace pycomm::shm {
 
 namespace {
 
+thread_local bool t_lane_worker = false;
+
 const c10::TypePtr& tensor_list_type() {
   static const c10::TypePtr type = c10::ListType::create(c10::TensorType::get());
   return type;
 }
 
 }  // namespace
+
+bool on_lane_worker() { return t_lane_worker; }
 
 ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
                  std::shared_ptr<Executor> executor)
@@ -94,11 +98,16 @@ void Executor::help(const ShmWork* work) {
     if (mine == queue_.end()) return;  // already run, or running on the worker
     if (run_front(lock).get() == work) break;
   }
+  // Hand what is left to the worker; never wake it for nothing: a waiter calls help() on
+  // every blocking operation, and a needless wake-up of the worker preempts the peer rank
+  // on a busy machine (it cost a context switch per all-reduce).
+  bool more = !busy_ && !queue_.empty();
   lock.unlock();
-  cv_.notify_one();
+  if (more) cv_.notify_one();
 }
 
 void Executor::loop() {
+  t_lane_worker = true;
   std::unique_lock<std::mutex> lock(mutex_);
   while (true) {
     cv_.wait(lock, [&] { return stop_ || (!busy_ && !queue_.empty()); });
