@@ -114,7 +114,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType 
 }
 
 void ShmBackend::run(const char* op, uint64_t seq, const Body& body) {
-  OpContext ctx{op, seq, rank_, timeout_, Clock::now() + timeout_};
+  OpContext ctx{op, seq, rank_, timeout_, Clock::now() + timeout_, !on_lane_worker()};
   {
     std::lock_guard<std::mutex> lock(failure_mutex_);
     if (!failure_.empty()) {

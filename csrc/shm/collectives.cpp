@@ -52,7 +52,7 @@ void Channel::phase(const OpContext& ctx) {
 
 void Channel::wait_peers(uint32_t target, const OpContext& ctx) {
   for (int p = 0; p < world_; ++p) {
-    if (p != rank_) sync_.wait(segment_->rank(p).step, target, p, ctx);
+    if (p != rank_) sync_.wait(segment_->rank(p).step, target, p, ctx, &segment_->rank(rank_).step);
   }
 }
 

@@ -24,6 +24,9 @@ constexpr size_t kCacheLine = 64;
 struct alignas(kCacheLine) Signal {
   std::atomic<uint32_t> value;
   std::atomic<uint32_t> sleepers;
+  // When `value` was last stored (steady clock, ns: system-wide): tells a rank that slept
+  // how long spinning would have taken (See Note [Adaptive spin]).
+  std::atomic<int64_t> published_ns;
 };
 
 struct alignas(kCacheLine) RankCtl {

@@ -21,6 +21,9 @@ struct OpContext {
   int rank = 0;
   std::chrono::milliseconds timeout{0};
   Clock::time_point deadline;
+  // The thread running the operation would block anyway (not a lane's worker): it may
+  // spin longer (See Note [Adaptive spin]).
+  bool patient = false;
 };
 
 // `value` has reached `target` (modular: counters wrap around 2^32).
@@ -36,11 +39,16 @@ class Sync {
   static void publish(Signal& signal, uint32_t value);
 
   // Return once `signal` (written by rank `peer`) reaches `target`; throw on deadline or
-  // when `peer` is gone.
-  void wait(const Signal& signal, uint32_t target, int peer, const OpContext& ctx) const;
+  // when `peer` is gone. `transit`: this rank's own signal, on which a peer that sleeps
+  // is being woken (See Note [Adaptive spin]).
+  void wait(const Signal& signal, uint32_t target, int peer, const OpContext& ctx,
+            const Signal* transit = nullptr) const;
 
  private:
-  bool spin_until(const Signal& signal, uint32_t target) const;
+  bool spin_until(const Signal& signal, uint32_t target, int64_t cap,
+                  const Signal* transit) const;
+  // After a wait that slept: adapt the spin budget to when the peer really published.
+  void learn(const Signal& signal, int64_t since_ns, int64_t cap) const;
   void check_alive(int peer, const OpContext& ctx) const;
   [[noreturn]] void fail(const OpContext& ctx, int peer, const std::string& what) const;
 

@@ -27,6 +27,9 @@ namespace pycomm::shm {
 
 class Executor;
 
+// True on a lane's worker thread, false on any thread that runs an operation itself.
+bool on_lane_worker();
+
 class ShmWork : public c10d::Work {
  public:
   ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
