@@ -1,4 +1,5 @@
-// Argument checks and queueing of every operation of ShmBackend (see backend.h).
+// Argument checks and queueing of the operations of ShmBackend (see backend.h); gather,
+// scatter and the list all_to_all are in backend_more.cpp.
 #include "shm/backend.h"
 
 #include <ATen/Functions.h>
@@ -7,6 +8,7 @@
 #include <thread>
 
 #include "shm/reduce_kernels.h"
+#include "shm/tensor_args.h"
 
 namespace pycomm::shm {
 
@@ -17,41 +19,6 @@ namespace {
 // A/B interleaved in one run: 256 KiB chunks cost 2-7% more and 1 MiB chunks 0-8% more.
 constexpr size_t kSlotBytes = 512 << 10;
 constexpr size_t kMailboxBytes = 256 << 10;  // per ordered pair of ranks (send/recv)
-
-void check_dense(const char* op, const at::Tensor& t) {
-  TORCH_CHECK_VALUE(t.device().is_cpu() && t.layout() == at::kStrided, "pycomm ", op,
-                    ": needs dense CPU tensors, got a ", t.layout(), " tensor on ", t.device());
-}
-
-const at::Tensor& single(const char* op, const std::vector<at::Tensor>& tensors) {
-  TORCH_CHECK_VALUE(tensors.size() == 1, "pycomm ", op, ": expects one tensor per call, got ",
-                    tensors.size());
-  check_dense(op, tensors[0]);
-  return tensors[0];
-}
-
-void check_rank(const char* op, const char* what, int64_t r, int world) {
-  TORCH_CHECK_VALUE(r >= 0 && r < world, "pycomm ", op, ": ", what, " ", r,
-                    " is outside the group (size ", world, ")");
-}
-
-void check_like(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel) {
-  check_dense(op, t);
-  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type() && t.numel() == numel, "pycomm ", op,
-                    ": expected a ", like.scalar_type(), " tensor of ", numel,
-                    " elements, got ", t.scalar_type(), " with ", t.numel());
-}
-
-// A contiguous stand-in for a user tensor, copied back by write_back() when it differs.
-struct Dense {
-  at::Tensor user, work;
-  explicit Dense(const at::Tensor& t) : user(t), work(t.is_contiguous() ? t : t.contiguous()) {}
-  char* data() const { return static_cast<char*>(work.data_ptr()); }
-  size_t bytes() const { return work.nbytes(); }
-  void write_back() {
-    if (!work.is_same(user)) user.copy_(work);
-  }
-};
 
 // Byte offsets and lengths of the dim-0 blocks of `t` given split sizes (even if empty).
 Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& sizes,

@@ -54,6 +54,12 @@ class Channel {
                       c10d::ReduceOp::RedOpType op, const OpContext& ctx);
   void alltoall(const char* in, const Split& send, char* out, const Split& recv,
                 const OpContext& ctx);
+  // On `root`, outs[r] receives rank r's `bytes` bytes of `in`; `outs` is unused elsewhere.
+  void gather(const char* in, size_t bytes, const std::vector<char*>& outs, int root,
+              const OpContext& ctx);
+  // Rank r receives `bytes` bytes of ins[r] from `root`; `ins` is unused elsewhere.
+  void scatter(const std::vector<const char*>& ins, char* out, size_t bytes, int root,
+               const OpContext& ctx);
   void send(const char* data, size_t bytes, int dst, const OpContext& ctx);
   void recv(char* data, size_t bytes, int src, const OpContext& ctx);
 

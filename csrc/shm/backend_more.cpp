@@ -1,0 +1,148 @@
+// Argument checks and queueing of gather, scatter and the list all_to_all of ShmBackend
+// (the other operations are in backend.cpp). The algorithms are in gather_scatter.cpp and
+// collectives.cpp.
+#include <ATen/Functions.h>
+#include <c10/util/Exception.h>
+
+#include "shm/backend.h"
+#include "shm/tensor_args.h"
+
+namespace pycomm::shm {
+
+namespace {
+
+// `t` (the `what` tensor number `index`) must be dense with `like`'s dtype and `numel`.
+void check_entry(const char* op, int root, const char* what, size_t index, const at::Tensor& t,
+                 const at::Tensor& like, int64_t numel) {
+  check_dense(op, t);
+  TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type() && t.numel() == numel, "pycomm ", op,
+                    " (root ", root, "): ", what, " tensor ", index, " is ", t.scalar_type(),
+                    " with ", t.numel(), " elements, expected ", like.scalar_type(), " with ",
+                    numel, " elements");
+}
+
+// The root's list of `world` tensors; every other rank passes none (or one empty list).
+std::vector<at::Tensor> root_list(const char* op, const char* what, int rank, int root,
+                                  int world, const std::vector<std::vector<at::Tensor>>& lists) {
+  if (rank != root) {
+    TORCH_CHECK_VALUE(lists.empty() || (lists.size() == 1 && lists[0].empty()), "pycomm ", op,
+                      " (root ", root, "): rank ", rank, " is not the root and must pass no ",
+                      what, " tensors");
+    return {};
+  }
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == world, "pycomm ",
+                    op, " (root ", root, "): the root expects one list of ", world, " ", what,
+                    " tensors (one per rank), got ", lists.size(), " lists of ",
+                    lists.empty() ? 0 : lists[0].size());
+  return lists[0];
+}
+
+// Byte offsets and lengths of `tensors` laid end to end in one buffer, and its element count.
+Split packed_split(const std::vector<at::Tensor>& tensors, int64_t* numel) {
+  Split s;
+  size_t off = 0;
+  *numel = 0;
+  for (const auto& t : tensors) {
+    s.offset.push_back(off);
+    s.bytes.push_back(t.nbytes());
+    off += t.nbytes();
+    *numel += t.numel();
+  }
+  return s;
+}
+
+}  // namespace
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                  std::vector<at::Tensor>& inputs,
+                                                  const c10d::GatherOptions& opts) {
+  const at::Tensor& in = single("gather", inputs);
+  int root = static_cast<int>(opts.rootRank);
+  check_rank("gather", "root", root, size_);
+  auto outs = root_list("gather", "output", rank_, root, size_, outputs);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    check_entry("gather", root, "output", i, outs[i], in, in.numel());
+  }
+  return enqueue("gather", c10d::OpType::GATHER, outs, [this, in, outs, root](const OpContext& c) {
+    Dense d(in);
+    std::vector<Dense> dense;
+    std::vector<char*> ptrs;
+    dense.reserve(outs.size());
+    for (const auto& o : outs) {
+      dense.emplace_back(o);
+      ptrs.push_back(dense.back().data());
+    }
+    channel_->gather(d.data(), d.bytes(), ptrs, root, c);
+    for (auto& o : dense) o.write_back();
+  }, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::scatter(std::vector<at::Tensor>& outputs,
+                                                   std::vector<std::vector<at::Tensor>>& inputs,
+                                                   const c10d::ScatterOptions& opts) {
+  const at::Tensor& out = single("scatter", outputs);
+  int root = static_cast<int>(opts.rootRank);
+  check_rank("scatter", "root", root, size_);
+  auto ins = root_list("scatter", "input", rank_, root, size_, inputs);
+  for (size_t i = 0; i < ins.size(); ++i) {
+    check_entry("scatter", root, "input", i, ins[i], out, out.numel());
+  }
+  auto body = [this, out, ins, root](const OpContext& c) {
+    Dense d(out);
+    std::vector<Dense> dense;
+    std::vector<const char*> ptrs;
+    dense.reserve(ins.size());
+    for (const auto& i : ins) {
+      dense.emplace_back(i);
+      ptrs.push_back(dense.back().data());
+    }
+    channel_->scatter(ptrs, d.data(), d.bytes(), root, c);
+    d.write_back();
+  };
+  return enqueue("scatter", c10d::OpType::SCATTER, {out}, std::move(body), opts);
+}
+
+// Sizes may differ per peer; that what rank p sends to rank q is as long as what q expects
+// from p cannot be checked locally (as for all_to_all_single's split sizes).
+c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall(std::vector<at::Tensor>& outputs,
+                                                    std::vector<at::Tensor>& inputs,
+                                                    const c10d::AllToAllOptions& opts) {
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ &&
+                        static_cast<int>(inputs.size()) == size_,
+                    "pycomm all_to_all: expects ", size_, " output and ", size_,
+                    " input tensors (one per rank), got ", outputs.size(), " and ",
+                    inputs.size());
+  const auto dtype = inputs[0].scalar_type();
+  for (const auto* list : {&inputs, &outputs}) {
+    for (size_t i = 0; i < list->size(); ++i) {
+      const at::Tensor& t = (*list)[i];
+      check_dense("all_to_all", t);
+      TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pycomm all_to_all: ",
+                        list == &inputs ? "input" : "output", " tensor ", i, " is ",
+                        t.scalar_type(), ", input tensor 0 is ", dtype,
+                        ": all tensors must share one dtype");
+    }
+  }
+  int64_t in_numel = 0, out_numel = 0;
+  Split send = packed_split(inputs, &in_numel);
+  Split recv = packed_split(outputs, &out_numel);
+  auto ins = inputs, outs = outputs;
+  // Channel::alltoall works on one buffer per side (all_to_all_single's layout): the inputs
+  // are packed into one and the outputs unpacked from another. That costs one copy each
+  // way, which a non-contiguous tensor would need anyway.
+  return enqueue("all_to_all", c10d::OpType::ALLTOALL, outs,
+                 [this, ins, outs, send, recv, in_numel, out_numel, dtype](const OpContext& c) {
+                   at::Tensor in = at::empty({in_numel}, at::TensorOptions().dtype(dtype));
+                   at::Tensor out = at::empty({out_numel}, at::TensorOptions().dtype(dtype));
+                   for (int64_t p = 0, off = 0; p < size_; off += ins[p].numel(), ++p) {
+                     in.narrow(0, off, ins[p].numel()).view(ins[p].sizes()).copy_(ins[p]);
+                   }
+                   channel_->alltoall(static_cast<const char*>(in.data_ptr()), send,
+                                      static_cast<char*>(out.data_ptr()), recv, c);
+                   for (int64_t p = 0, off = 0; p < size_; off += outs[p].numel(), ++p) {
+                     outs[p].copy_(out.narrow(0, off, outs[p].numel()).view(outs[p].sizes()));
+                   }
+                 }, opts);
+}
+
+}  // namespace pycomm::shm
