@@ -97,7 +97,7 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
     - ``spin_budget_ns``: the collectives' current spin budget, learned from the peers'
       arrival times (README, "Waiting").
 
-    For the group pycomm's DDP made for its gradients, pass ``ddp.comm_group``.
+    For the group pycomm's DDP reduces its gradients on, pass ``ddp.gradient_group``.
     """
     group = group if group is not None else dist.group.WORLD
     if group is None:
