@@ -55,10 +55,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._join_divide_by_initial_world_size = True
         self._named_params = self._trainable_params()
         self._check_devices(device_ids, output_device)
-        self._delayed: Optional[DelayedAllReduce] = None
-        if delay_all_reduce_named_params is not None:
-            self._delayed = DelayedAllReduce(self, list(delay_all_reduce_named_params),
-                                             param_to_hook_all_reduce)
+        self._delayed_spec = None if delay_all_reduce_named_params is None else (
+            list(delay_all_reduce_named_params), param_to_hook_all_reduce)
+        self._delayed = self._make_delayed()
+        if self._delayed is not None:
             self._delayed.broadcast(self.process_group)
         if self.config.init_sync:
             self._verify_and_sync_states()
@@ -159,6 +159,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
         self._local_clip = attach_local_clip(self.reducer, c)
+
+    def _make_delayed(self) -> Optional[DelayedAllReduce]:
+        spec = getattr(self, "_delayed_spec", None)
+        return None if spec is None else DelayedAllReduce(self, *spec)
 
     def _set_main_grads(self) -> None:
         if self.config.grad_reduce_dtype is None:
@@ -336,5 +340,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict) -> None:
         self.process_group = dist.distributed_c10d._get_default_group()
         super().__setstate__(state)
-        self._delayed = None  # its hook and buffer are not pickled: torch.load drops it too
+        # The delayed all-reduce's hook and buffer are not picklable: rebuilt from the
+        # pickled (names, parameters, hook parameter), the same objects as the module's.
+        # torch 2.13's own DDP silently stops reducing them after torch.load (its
+        # _delayed_all_reduce_hook is a tensor hook, which Parameter pickling drops).
+        self._delayed = self._make_delayed()
         self._build_reducer()
