@@ -81,6 +81,34 @@ def register() -> None:
         dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
 
 
+def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    """This rank's counters of a "pycomm" group (default: the world group) since it was
+    created, to see how its collectives ran:
+
+    - ``ops_on_caller_thread`` / ``ops_on_worker_thread``: operations run by the thread
+      that issued or waited on them (blocking calls, ``work.wait()``) / by the group's
+      worker threads (asynchronous calls still queued when nobody waited, e.g. DDP's
+      buckets during backward);
+    - ``worker_idle_wakeups``: a worker thread woke and found nothing to run (should
+      stay near 0: each costs a context switch that may preempt a peer rank);
+    - ``waits``: waits for a peer that was not there yet, of which ``waits_spun`` ended
+      while spinning and ``waits_slept`` only after sleeping in the kernel;
+      ``waits_spun_through_wakeup``: spins prolonged because a peer was being woken;
+    - ``spin_budget_ns``: the collectives' current spin budget, learned from the peers'
+      arrival times (README, "Waiting").
+
+    For the group pycomm's DDP reduces its gradients on, pass ``ddp.gradient_group``.
+    """
+    group = group if group is not None else dist.group.WORLD
+    if group is None:
+        raise RuntimeError("pycomm.shm.stats: torch.distributed is not initialized")
+    backend = group._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.ShmBackend):
+        raise ValueError(f"pycomm.shm.stats: group {group.group_name!r} uses backend "
+                         f"{dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
+    return dict(backend.stats())
+
+
 def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
     try:
         return group._get_backend(torch.device("cpu")).options._timeout

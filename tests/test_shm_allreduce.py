@@ -4,7 +4,9 @@ the oracle: the last size of the one-phase path and the first of the pipelined o
 boundaries, more chunks than slots (slot reuse), parts that are empty or one element,
 and operations of either path and of other collectives back to back, blocking and async.
 Data is integer-valued, so sums, maxima and minima are exact in any order (bit-equal to
-Gloo); only AVG divides, compared within one rounding of the dtype."""
+Gloo); only AVG divides, compared within one rounding of the dtype. bfloat16/float16 also
+get non-integer data and special values, checked bit for bit against torch's own float32
+arithmetic and rounding."""
 
 import pytest
 import torch
@@ -74,9 +76,45 @@ def _mixed_back_to_back(rank, world):
         assert torch.all(b == world - 1)
 
 
+def _low_precision_values(rank, numel, dtype):
+    """Random values of every magnitude, plus the cases rounding must get right: ties,
+    overflow to inf, inf - inf = nan, nan, subnormals (float16) and signed zeros."""
+    g = torch.Generator().manual_seed(31 * rank + numel)
+    span = 14.0 if dtype == torch.float16 else 60.0
+    x = torch.randn(numel, generator=g) * torch.exp2(torch.randint(-8, 8, (numel,),
+                                                                   generator=g).float())
+    x = x.clamp(-2 ** span, 2 ** span)
+    special = torch.tensor([float("inf") if rank % 2 == 0 else -float("inf"), float("nan"),
+                            60000.0, 1.5, 2.0 ** -20, -0.0, 2.0 ** -24, 1.0 + 2.0 ** -8])
+    x[: special.numel()] = special
+    return x.to(dtype)
+
+
+def _low_precision_rounding(rank, world):
+    """bfloat16/float16 reduce in float32 in rank order and round once, to nearest even:
+    bit-equal to doing exactly that with torch (non-integer data, specials), on the
+    one-phase and the pipelined path, for sum and avg."""
+    for dtype in (torch.bfloat16, torch.float16):
+        for numel in (1001, 3 * SLOT_BYTES // 2 + 5):
+            mine = _low_precision_values(rank, numel, dtype)
+            everyone = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(everyone, mine)
+            total = everyone[0].float()
+            for other in everyone[1:]:
+                total = total + other.float()
+            for op, want in ((dist.ReduceOp.SUM, total),
+                             (dist.ReduceOp.AVG, total * (1.0 / world))):
+                x = mine.clone()
+                dist.all_reduce(x, op=op)
+                want = want.to(dtype)
+                same = (x.view(torch.int16) == want.view(torch.int16)) | (x.isnan() & want.isnan())
+                assert bool(same.all()), (dtype, numel, op, x[~same][:5], want[~same][:5])
+
+
 def _paths(rank, world_size):
     _boundaries(rank, world_size)
     _mixed_back_to_back(rank, world_size)
+    _low_precision_rounding(rank, world_size)
     dist.barrier()
 
 

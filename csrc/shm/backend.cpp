@@ -94,6 +94,26 @@ ShmBackend::ShmBackend(const std::string& name, int rank, int size,
 
 ShmBackend::~ShmBackend() { stop(); }
 
+std::map<std::string, int64_t> ShmBackend::stats() const {
+  std::map<std::string, int64_t> out;
+  auto add = [&](const char* key, uint64_t v) { out[key] += static_cast<int64_t>(v); };
+  for (const auto& lane : {collectives_, sends_, receives_}) {
+    LaneStats s = lane->stats();
+    add("ops_on_caller_thread", s.on_caller);
+    add("ops_on_worker_thread", s.on_worker);
+    add("worker_idle_wakeups", s.idle_wakeups);
+  }
+  std::vector<WaitStats> waits = channel_->wait_stats();
+  for (const auto& w : waits) {
+    add("waits", w.waits);
+    add("waits_spun", w.spun);
+    add("waits_slept", w.slept);
+    add("waits_spun_through_wakeup", w.transit);
+  }
+  out["spin_budget_ns"] = waits.front().spin_budget_ns;
+  return out;
+}
+
 void ShmBackend::stop() {
   for (const auto& lane : {collectives_, sends_, receives_}) lane->shutdown();
 }

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -56,6 +57,10 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
                                       int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
+  // Counters since the group was created: how operations ran and how their waits ended
+  // (See Note [Adaptive spin] and Note [Waiting helps]); pycomm.shm.stats() documents them.
+  std::map<std::string, int64_t> stats() const;
+
 #if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
   void shutdown() override { stop(); }
 #endif

@@ -2,6 +2,7 @@
 // c10d Backend type, built by pycomm/shm.py's creator after the store rendezvous.
 #include "shm/bind.h"
 
+#include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "shm/backend.h"
@@ -22,6 +23,8 @@ void bind_shm(pybind11::module& m) {
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
            py::arg("create"), py::call_guard<py::gil_scoped_release>())
+      .def("stats", &shm::ShmBackend::stats,
+           "Counters since the group was created (see pycomm.shm.stats).")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),
                   "Remove segment `name` from /dev/shm (mappings stay valid).");
 }

@@ -57,6 +57,11 @@ class Channel {
   void send(const char* data, size_t bytes, int dst, const OpContext& ctx);
   void recv(char* data, size_t bytes, int src, const OpContext& ctx);
 
+  // The waits of the collectives, of send and of recv, in that order.
+  std::vector<WaitStats> wait_stats() const {
+    return {sync_.stats(), send_sync_.stats(), recv_sync_.stats()};
+  }
+
  private:
   char* begin_round();
   char* peer_slot(int peer) const;

@@ -7,7 +7,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
+
+#include "shm/lowp_convert.h"
 
 namespace pycomm::shm {
 
@@ -23,9 +26,14 @@ namespace {
 // - otherwise blocks of kBlock elements accumulate in a register-sized opmath array
 //   (fp32 for bf16/fp16, and a safe place while `out` aliases a later source), with the
 //   first two sources combined in one loop and the result stored to `out` and `copy` in
-//   one loop. The order of the sources is fixed (0, 1, ..., nsrc - 1), so every rank
+//   one loop; bfloat16/float16 blocks convert to and from float32 through the vectorised
+//   conversions of lowp_convert.h. A source that `out` aliases is read into the block
+//   before `out` is written, so aliasing any source is safe. The order of the sources is fixed (0, 1, ..., nsrc - 1), so every rank
 //   reducing the same buffers gets the same bits.
 constexpr int64_t kBlock = 512;
+
+template <typename T>
+constexpr bool kLowPrecision = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
 template <typename T, typename Acc, typename Combine, bool kScaled, bool kCopy>
 void fused_pair(T* out, T* copy, const T* a, const T* b, int64_t n, Combine combine, Acc scale) {
@@ -56,8 +64,23 @@ void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, 
     return;
   }
   Acc acc[kBlock];
+  [[maybe_unused]] Acc next[kBlock];
   for (int64_t base = 0; base < n; base += kBlock) {
     const int64_t len = std::min(kBlock, n - base);
+    T* o = out + base;
+    if constexpr (kLowPrecision<T>) {
+      to_float(src(0) + base, acc, len);
+      for (int s = 1; s < nsrc; ++s) {
+        to_float(src(s) + base, next, len);
+        for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], next[i]);
+      }
+      if (scaled) {
+        for (int64_t i = 0; i < len; ++i) acc[i] *= scale;
+      }
+      from_float(acc, o, len);
+      if (copy != nullptr) std::memcpy(copy + base, o, len * sizeof(T));
+      continue;
+    }
     const T* first = src(0) + base;
     if (nsrc >= 2) {
       const T* second = src(1) + base;
@@ -68,13 +91,12 @@ void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, 
       for (int64_t i = 0; i < len; ++i) acc[i] = static_cast<Acc>(first[i]);
     }
     for (int s = 2; s < nsrc; ++s) {
-      const T* next = src(s) + base;
-      for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], static_cast<Acc>(next[i]));
+      const T* more = src(s) + base;
+      for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], static_cast<Acc>(more[i]));
     }
     if (scaled) {
       for (int64_t i = 0; i < len; ++i) acc[i] *= scale;
     }
-    T* o = out + base;
     if (copy != nullptr) {
       T* c = copy + base;
       for (int64_t i = 0; i < len; ++i) o[i] = c[i] = static_cast<T>(acc[i]);

@@ -113,14 +113,26 @@ void Sync::publish(Signal& signal, uint32_t value) {
   if (signal.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(signal);
 }
 
+namespace {
+
+// Relaxed: the budget is a hint, and counters are read only for statistics.
+template <typename T>
+void bump(std::atomic<T>& counter) {
+  counter.store(counter.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 bool Sync::spin_until(const Signal& signal, uint32_t target, int64_t cap,
                       const Signal* transit) const {
+  const int64_t budget = spin_ns_.load(std::memory_order_relaxed);
   const auto start = Clock::now();
-  auto stop = start + std::chrono::nanoseconds(std::min(spin_ns_, cap));
+  auto stop = start + std::chrono::nanoseconds(std::min(budget, cap));
+  bool prolonged = false;
   while (true) {
     for (int i = 0; i < kSpinsPerClockRead; ++i) {
       if (reached(signal.value.load(std::memory_order_acquire), target)) {
-        spin_ns_ = std::min(cap, spin_ns_ * 2);
+        spin_ns_.store(std::min(cap, budget * 2), std::memory_order_relaxed);
         return true;
       }
       cpu_relax();
@@ -130,6 +142,8 @@ bool Sync::spin_until(const Signal& signal, uint32_t target, int64_t cap,
       if (transit != nullptr && transit->sleepers.load(std::memory_order_relaxed) != 0 &&
           now - start < std::chrono::nanoseconds(kTransitSpinNs)) {
         stop = now + std::chrono::nanoseconds(kMaxSpinNs);
+        if (!prolonged) bump(transit_);
+        prolonged = true;
         continue;
       }
       return false;
@@ -139,19 +153,33 @@ bool Sync::spin_until(const Signal& signal, uint32_t target, int64_t cap,
 
 void Sync::learn(const Signal& signal, int64_t since_ns, int64_t cap) const {
   const int64_t delay = signal.published_ns.load(std::memory_order_relaxed) - since_ns;
-  if (delay >= 0 && delay < cap) {
-    spin_ns_ = std::min(cap, std::max(spin_ns_ * 2, delay * 2));
-  } else {
-    spin_ns_ = std::max(kMinSpinNs, spin_ns_ / 2);
-  }
+  const int64_t budget = spin_ns_.load(std::memory_order_relaxed);
+  spin_ns_.store(delay >= 0 && delay < cap ? std::min(cap, std::max(budget * 2, delay * 2))
+                                           : std::max(kMinSpinNs, budget / 2),
+                 std::memory_order_relaxed);
+}
+
+WaitStats Sync::stats() const {
+  WaitStats w;
+  w.waits = waits_.load(std::memory_order_relaxed);
+  w.spun = spun_.load(std::memory_order_relaxed);
+  w.slept = slept_.load(std::memory_order_relaxed);
+  w.transit = transit_.load(std::memory_order_relaxed);
+  w.spin_budget_ns = spin_ns_.load(std::memory_order_relaxed);
+  return w;
 }
 
 void Sync::wait(const Signal& signal, uint32_t target, int peer, const OpContext& ctx,
                 const Signal* transit) const {
   if (reached(signal.value.load(std::memory_order_acquire), target)) return;
+  bump(waits_);
   const int64_t cap = ctx.patient ? kPatientSpinNs : kMaxSpinNs;
   const int64_t since = now_ns();
-  if (spin_ && spin_until(signal, target, cap, ctx.patient ? transit : nullptr)) return;
+  if (spin_ && spin_until(signal, target, cap, ctx.patient ? transit : nullptr)) {
+    bump(spun_);
+    return;
+  }
+  bump(slept_);
   auto& s = const_cast<Signal&>(signal);
   auto next_check = Clock::now() + kSlice;
   while (true) {

@@ -4,6 +4,7 @@
 // operation and the rank; nothing here loops without sleeping.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <string>
@@ -31,6 +32,15 @@ inline bool reached(uint32_t value, uint32_t target) {
   return static_cast<int32_t>(value - target) >= 0;
 }
 
+// Counts of one Sync's waits since the group was created (see ShmBackend::stats).
+struct WaitStats {
+  uint64_t waits = 0;    // the value was not there yet on the first look
+  uint64_t spun = 0;     // ... and arrived while spinning
+  uint64_t slept = 0;    // ... or only after a futex sleep
+  uint64_t transit = 0;  // spins prolonged because a peer was being woken
+  int64_t spin_budget_ns = 0;
+};
+
 class Sync {
  public:
   Sync(const Segment& segment, bool spin) : segment_(segment), spin_(spin) {}
@@ -44,6 +54,8 @@ class Sync {
   void wait(const Signal& signal, uint32_t target, int peer, const OpContext& ctx,
             const Signal* transit = nullptr) const;
 
+  WaitStats stats() const;
+
  private:
   bool spin_until(const Signal& signal, uint32_t target, int64_t cap,
                   const Signal* transit) const;
@@ -54,7 +66,10 @@ class Sync {
 
   const Segment& segment_;
   bool spin_;
-  mutable int64_t spin_ns_ = 30'000;  // See Note [Adaptive spin]; one op at a time uses it
+  // See Note [Adaptive spin]. One operation at a time waits on a Sync; atomics (relaxed)
+  // only so that stats() may read them from another thread.
+  mutable std::atomic<int64_t> spin_ns_{30'000};
+  mutable std::atomic<uint64_t> waits_{0}, spun_{0}, slept_{0}, transit_{0};
 };
 
 // Throw c10::DistBackendError with "pycomm <op> (...)" in front of `what`.

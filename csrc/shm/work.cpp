@@ -83,6 +83,7 @@ c10::intrusive_ptr<ShmWork> Executor::run_front(std::unique_lock<std::mutex>& lo
   Task task = std::move(queue_.front());
   queue_.pop_front();
   busy_ = true;
+  (t_lane_worker ? on_worker_ : on_caller_).fetch_add(1, std::memory_order_relaxed);
   lock.unlock();
   run(task);
   lock.lock();
@@ -109,11 +110,21 @@ void Executor::help(const ShmWork* work) {
 void Executor::loop() {
   t_lane_worker = true;
   std::unique_lock<std::mutex> lock(mutex_);
+  auto ready = [&] { return stop_ || (!busy_ && !queue_.empty()); };
   while (true) {
-    cv_.wait(lock, [&] { return stop_ || (!busy_ && !queue_.empty()); });
+    while (!ready()) {
+      cv_.wait(lock);
+      if (!ready()) idle_wakeups_.fetch_add(1, std::memory_order_relaxed);
+    }
     if (stop_) return;
     run_front(lock);
   }
+}
+
+LaneStats Executor::stats() const {
+  return LaneStats{on_caller_.load(std::memory_order_relaxed),
+                   on_worker_.load(std::memory_order_relaxed),
+                   idle_wakeups_.load(std::memory_order_relaxed)};
 }
 
 void Executor::shutdown() {

@@ -15,6 +15,7 @@
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -48,6 +49,13 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// How a lane's operations ran (see ShmBackend::stats).
+struct LaneStats {
+  uint64_t on_caller = 0;     // run by the thread that issued or waited on them
+  uint64_t on_worker = 0;     // run by the lane's worker thread
+  uint64_t idle_wakeups = 0;  // the worker woke and found nothing to run
+};
+
 // A FIFO of operations run one at a time: by the worker thread, or by a waiter
 // (see Note [Waiting helps]).
 class Executor {
@@ -64,6 +72,7 @@ class Executor {
   void help(const ShmWork* work);
   // Fail the operations still queued and stop the worker.
   void shutdown();
+  LaneStats stats() const;
 
  private:
   struct Task {
@@ -79,6 +88,7 @@ class Executor {
   std::deque<Task> queue_;
   bool busy_ = false;
   bool stop_ = false;
+  std::atomic<uint64_t> on_caller_{0}, on_worker_{0}, idle_wakeups_{0};
   std::thread thread_;
 };
 
