@@ -86,7 +86,8 @@ def attach_local_clip(reducer, config) -> Optional[object]:
     if config.local_clip_max_norm is None:
         return None
     return _C.attach_local_clip(reducer, float(config.local_clip_max_norm),
-                                float(config.local_clip_norm_type))
+                                float(config.local_clip_norm_type),
+                                bool(config.local_clip_error_if_nonfinite))
 
 
 def _synced_grads(ddp) -> list[torch.Tensor]:

@@ -113,6 +113,16 @@ class DDPConfig:
     local_clip_norm_type: float = 2.0
     """The norm order of local_clip_max_norm (as torch's clip_grad_norm_: > 0 or inf)."""
 
+    local_clip_error_if_nonfinite: bool = False
+    """torch's clip_grad_norm_ error_if_nonfinite for local_clip_max_norm: when a rank's
+    local norm is inf or nan, backward raises a RuntimeError on EVERY rank in that step (the
+    bad rank names itself and its norm, the others name the bad ranks), before anything is
+    scaled or reduced: each rank's param.grad is left as its local, unclipped gradient, as
+    torch leaves it when it raises. The ranks agree through one extra all-reduce of a flag
+    per rank and a host sync in every synchronized backward, so no rank waits for another;
+    a rank that died instead makes the others fail within the group timeout. See Note
+    [Non-finite local norm] in csrc/grad/local_clip.cpp."""
+
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
@@ -131,6 +141,8 @@ class DDPConfig:
         if self.local_clip_max_norm is not None and not self.local_clip_max_norm > 0:
             raise ValueError(f"local_clip_max_norm must be positive, got "
                              f"{self.local_clip_max_norm}")
+        if self.local_clip_error_if_nonfinite and self.local_clip_max_norm is None:
+            raise ValueError("local_clip_error_if_nonfinite needs local_clip_max_norm")
         if not self.local_clip_norm_type > 0:
             raise ValueError(f"local_clip_norm_type must be > 0 or inf, got "
                              f"{self.local_clip_norm_type}")

@@ -2,7 +2,7 @@
 torch 2.13's DistributedDataParallel. Owns construction checks, the per-forward protocol
 (bucket rebuild, buffer sync, arming the reducer), no_sync, comm hooks and pickling. The
 hot path (hooks, bucket copy, collectives, finalize) is csrc/reducer/; uneven inputs are
-ddp_join.py's."""
+ddp_join.py's; argument wiring is ddp_args.py's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import copy
 import itertools
 import warnings
 from contextlib import contextmanager
-from dataclasses import fields, is_dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -21,94 +20,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from . import _C, overlap
 from .clip import attach_local_clip
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
+from .ddp_args import check_args, config_from_args, find_tensors, gradient_group, resolve_group
 from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
-from .shm import same_host_group
-
-_UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
-    "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "
-                        "events (torch's own DDP fails on CPU: 'cpu backend doesn't support "
-                        "events'), so pycomm has no oracle for it here; for fp32 reduction of "
-                        "bf16/fp16 gradients use DDPConfig(grad_reduce_dtype=torch.float32)"),
-}
-
-
-def _gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
-    """The group gradient collectives run on: the one place that choice is made. A Gloo
-    group whose ranks share this host gets a shared-memory "pycomm" group over the same
-    ranks (config.shared_memory_gradients), anything else keeps `process_group`."""
-    if not config.shared_memory_gradients:
-        return process_group
-    return same_host_group(process_group) or process_group
-
-
-def _find_tensors(obj: Any) -> list[torch.Tensor]:
-    """Tensors inside an output made of tensors, tuples, lists, dicts and dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return list(itertools.chain.from_iterable(map(_find_tensors, obj)))
-    if isinstance(obj, dict):
-        return list(itertools.chain.from_iterable(map(_find_tensors, obj.values())))
-    if is_dataclass(obj) and not isinstance(obj, type):
-        return list(itertools.chain.from_iterable(
-            _find_tensors(getattr(obj, f.name)) for f in fields(obj)))
-    return []
-
-
-def _resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
-    if device_mesh is not None:
-        if process_group is not None:
-            raise RuntimeError("pass either process_group or device_mesh, not both")
-        if device_mesh.ndim != 1:
-            # torch 2.13 refuses these too (RuntimeError "Only 1D device mesh is supported");
-            # a 1-D slice of a larger mesh (mesh["dp"]) is what both accept.
-            raise NotImplementedError(f"device_mesh: only a 1-D mesh (or a 1-D slice such as "
-                                      f"mesh['dp'] of a larger one) is supported, as in "
-                                      f"torch, got a {device_mesh.ndim}-D mesh")
-        return device_mesh.get_group(mesh_dim=0)
-    group = (process_group if process_group is not None
-             else dist.distributed_c10d._get_default_group())
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
-                        f"{type(group).__name__}")
-    return group
-
-
-def _check_args(args: dict[str, Any]) -> None:
-    for name, (supported, why) in _UNIMPLEMENTED.items():
-        if args[name] is not supported and args[name] != supported:
-            raise NotImplementedError(f"pycomm DistributedDataParallel does not implement "
-                                      f"{name}={args[name]!r}: {why}")
-    if (args["delay_all_reduce_named_params"] is None) != (
-            args["param_to_hook_all_reduce"] is None):
-        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to "
-                         "be set at the same time.")
-    if args["check_reduction"]:
-        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
-                      "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
-
-
-def _config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPConfig:
-    sync = args["forward_sync_buffers"]
-    if sync is None:
-        sync = True if args["broadcast_buffers"] is None else args["broadcast_buffers"]
-    caps = args["bucket_cap_mb_list"]
-    from_args = dict(
-        bucket_cap_mb=args["bucket_cap_mb"],
-        bucket_cap_mb_list=None if caps is None else tuple(caps),
-        find_unused_parameters=args["find_unused_parameters"],
-        gradient_as_bucket_view=args["gradient_as_bucket_view"],
-        static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"],
-        skip_all_reduce_unused_params=args["skip_all_reduce_unused_params"],
-        batched_grad_copy=args["batched_grad_copy"])
-    if config is None:
-        return DDPConfig(**from_args)
-    default = DDPConfig()
-    clash = [k for k, v in from_args.items() if v != getattr(default, k)]
-    if clash:
-        raise ValueError(f"pass {', '.join(clash)} either as arguments or in config, not both")
-    return config
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -125,10 +39,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         args = dict(locals())
         super().__init__()
         Joinable.__init__(self)
-        _check_args(args)
+        check_args(args)
         self.module = module
-        self.config = _config_from_args(config, args)
-        self.process_group = _resolve_group(process_group, device_mesh)
+        self.config = config_from_args(config, args)
+        self.process_group = resolve_group(process_group, device_mesh)
         if device_mesh is not None and device_mesh._get_root_mesh() != device_mesh:
             # A data-parallel slice of a larger mesh: torch turns tensor-parallel (DTensor)
             # parameters into local tensors first; pycomm does the same, with torch's helper.
@@ -141,10 +55,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._join_divide_by_initial_world_size = True
         self._named_params = self._trainable_params()
         self._check_devices(device_ids, output_device)
-        self._delayed: Optional[DelayedAllReduce] = None
-        if delay_all_reduce_named_params is not None:
-            self._delayed = DelayedAllReduce(self, list(delay_all_reduce_named_params),
-                                             param_to_hook_all_reduce)
+        self._delayed_spec = None if delay_all_reduce_named_params is None else (
+            list(delay_all_reduce_named_params), param_to_hook_all_reduce)
+        self._delayed = self._make_delayed()
+        if self._delayed is not None:
             self._delayed.broadcast(self.process_group)
         if self.config.init_sync:
             self._verify_and_sync_states()
@@ -232,7 +146,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         order = list(reversed(range(len(params))))
         assignment = [sorted(b) for b in
                       _C.assign_buckets(params, order, self.config.bucket_byte_limits())]
-        self._gradient_pg = _gradient_group(self.process_group, self.config)
+        self._gradient_pg = gradient_group(self.process_group, self.config)
         c = self.config
         self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
                                   c.gradient_as_bucket_view, c.find_unused_parameters,
@@ -245,6 +159,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
         self._local_clip = attach_local_clip(self.reducer, c)
+
+    def _make_delayed(self) -> Optional[DelayedAllReduce]:
+        spec = getattr(self, "_delayed_spec", None)
+        return None if spec is None else DelayedAllReduce(self, *spec)
 
     def _set_main_grads(self) -> None:
         if self.config.grad_reduce_dtype is None:
@@ -272,7 +190,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             inputs, kwargs = moved[0], moved_kwargs[0]
         output = self.module(*inputs, **kwargs)
         if grad_sync:
-            note = self.reducer.prepare_for_backward(_find_tensors(output))
+            note = self.reducer.prepare_for_backward(find_tensors(output))
         else:
             note = self.reducer.prepare_no_sync()
         if note:  # see Note [Abandoned step] in csrc/reducer/finalize.cpp
@@ -422,5 +340,9 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __setstate__(self, state: dict) -> None:
         self.process_group = dist.distributed_c10d._get_default_group()
         super().__setstate__(state)
-        self._delayed = None  # its hook and buffer are not pickled: torch.load drops it too
+        # The delayed all-reduce's hook and buffer are not picklable: rebuilt from the
+        # pickled (names, parameters, hook parameter), the same objects as the module's.
+        # torch 2.13's own DDP silently stops reducing them after torch.load (its
+        # _delayed_all_reduce_hook is a tensor hook, which Parameter pickling drops).
+        self._delayed = self._make_delayed()
         self._build_reducer()

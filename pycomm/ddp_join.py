@@ -30,7 +30,12 @@ def notify_join(ddp: DistributedDataParallel) -> None:
 
 def _shadow_backward(ddp: DistributedDataParallel) -> None:
     """The collectives of one synchronized backward, with zero gradients, in bucket order
-    (see Note [Bucket order] in csrc/reducer/reducer.cpp)."""
+    (see Note [Bucket order] in csrc/reducer/reducer.cpp), preceded by the non-finite flag
+    all-reduce of local clipping (Note [Non-finite local norm] in csrc/grad/local_clip.cpp)."""
+    if ddp.config.local_clip_error_if_nonfinite:
+        flags = torch.zeros(dist.get_world_size(ddp._gradient_pg), dtype=torch.float32,
+                            device=ddp.device)
+        dist.all_reduce(flags, group=ddp._gradient_pg)
     buckets = ddp.reducer.zeros_like_grad_buckets()
     if ddp._comm_hook is None:
         pending = [dist.all_reduce(b.buffer(), group=ddp._gradient_pg, async_op=True)

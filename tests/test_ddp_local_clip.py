@@ -2,12 +2,14 @@
 See Note [Clip after vs before the all-reduce] in pycomm/clip.py) against plain torch:
 torch's DDP under no_sync (local gradients only), torch.nn.utils.clip_grad_norm_ on each
 rank, then the average all-reduce written out (or the comm hook's own reduction). 2 and 3
-ranks, with no_sync accumulation, with torch's allreduce and fp16 compression hooks, and a
-check that no bucket was launched before backward ended."""
+ranks, with no_sync accumulation, with torch's allreduce and fp16 compression hooks, a
+check that no bucket was launched before backward ended, local_clip_error_if_nonfinite
+(one rank's gradients are inf), and join() with uneven inputs."""
 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
@@ -89,6 +91,106 @@ def _lockstep(rank, world, no_sync_every=0, hook=None, norm_type=2.0):
         f"{what}: a bucket launched before backward ended"
 
 
+def _clip_and_average(ref, world, divisor=None):
+    """The oracle's synchronized step on the local gradients in ref (a torch DDP only used
+    under no_sync): torch's clip_grad_norm_, then x * (1/divisor) summed over the ranks."""
+    local = torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM)
+    assert local.item() > MAX_NORM, "clipping must be active"
+    for p in ref.module.parameters():
+        p.grad.mul_(1.0 / (divisor or world))
+        dist.all_reduce(p.grad)
+
+
+def _nonfinite(rank, world):
+    base = build("mlp")
+    ref = TorchDDP(copy.deepcopy(base))  # only ever under no_sync: local gradients
+    cfg = pycomm.DDPConfig(bucket_cap_mb=1e-3, local_clip_max_norm=MAX_NORM,
+                           local_clip_error_if_nonfinite=True)
+    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, ours)]
+    for step, bad_rank in enumerate((None, 1, None)):
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
+        x = make_input("mlp", rank, step)
+        scale = float("inf") if rank == bad_rank else 1.0
+        with ref.no_sync():
+            (loss_of(ref(x)) * scale).backward()
+        if bad_rank is None:
+            loss_of(ours(x)).backward()
+            _clip_and_average(ref, world)
+            assert_same(ref.module, ours.module, f"finite step {step}", exact=False)
+            for opt in opts:
+                opt.step()
+            continue
+        local = [p.grad.clone() for p in ref.parameters()]
+        if rank == bad_rank:  # what torch does with these gradients: raise, leave them
+            with pytest.raises(RuntimeError, match="non-finite"):
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM,
+                                               error_if_nonfinite=True)
+            for g, p in zip(local, ref.parameters()):
+                torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
+            expected = r"\(rank 1\): the total norm of order 2 of this rank's local " \
+                       r"gradients is (inf|nan), so it cannot be clipped"
+        else:
+            expected = r"\(rank 0\): rank\(s\) 1 had a non-finite local gradient norm"
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=expected):
+            (loss_of(ours(x)) * scale).backward()
+        # Every rank knows at once (the flag all-reduce), long before the 60 s group timeout.
+        assert time.monotonic() - start < 10
+        assert torch.isfinite(ours.local_grad_norm()).item() == (rank != bad_rank)
+        for g, q in zip(local, ours.module.parameters()):  # local, unclipped, unreduced
+            torch.testing.assert_close(q.grad, g, rtol=0, atol=0, equal_nan=True)
+
+
+def test_local_clip_error_if_nonfinite_raises_on_every_rank():
+    run_ranks(_nonfinite, 2, group_timeout_s=60, deadline_s=90)
+
+
+def _join(rank, world, divide_by_initial_world_size, error_if_nonfinite):
+    """Rank 1 runs out of data after one step; the oracle adds zeros for it."""
+    steps = [3, 1][rank]
+    base = build("mlp")
+    ref = TorchDDP(copy.deepcopy(base))  # only ever under no_sync: local gradients
+    cfg = pycomm.DDPConfig(bucket_cap_mb=1e-3, local_clip_max_norm=MAX_NORM,
+                           local_clip_error_if_nonfinite=error_if_nonfinite)
+    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, ours)]
+    with ours.join(divide_by_initial_world_size=divide_by_initial_world_size):
+        for step in range(steps):
+            opts[1].zero_grad()
+            loss_of(ours(make_input("mlp", rank, step))).backward()
+            opts[1].step()
+    for step in range(3):
+        opts[0].zero_grad()
+        if step < steps:
+            with ref.no_sync():
+                loss_of(ref(make_input("mlp", rank, step))).backward()
+        else:
+            for p in ref.parameters():
+                p.grad = torch.zeros_like(p)
+        running = 2 if step < 1 else 1
+        divisor = world if divide_by_initial_world_size else running
+        if step < steps:
+            _clip_and_average(ref, world, divisor)
+        else:
+            for p in ref.module.parameters():
+                dist.all_reduce(p.grad)
+        opts[0].step()
+    # join() ends with every rank holding the last joiner's (rank 0's) parameters.
+    assert_same(ref.module, ours.module, f"join divide_by_initial={divide_by_initial_world_size}",
+                exact=False, grads=False)
+
+
+def _join_both(rank, world_size):
+    _join(rank, world_size, True, False)
+    _join(rank, world_size, False, True)
+
+
+def test_local_clip_with_join_uneven_inputs_matches_torch():
+    run_ranks(_join_both, 2, deadline_s=90)
+
+
 def _two_ranks(rank, world_size):
     _lockstep(rank, world_size)
     _lockstep(rank, world_size, no_sync_every=2, norm_type=float("inf"))
@@ -113,3 +215,5 @@ def test_local_clip_config_is_checked():
         pycomm.DDPConfig(local_clip_max_norm=0.0)
     with pytest.raises(ValueError, match="local_clip_norm_type"):
         pycomm.DDPConfig(local_clip_max_norm=1.0, local_clip_norm_type=-1.0)
+    with pytest.raises(ValueError, match="local_clip_error_if_nonfinite needs"):
+        pycomm.DDPConfig(local_clip_error_if_nonfinite=True)

@@ -2,16 +2,22 @@
 // the reducer's launch gate (See Note [Deferred launch] in reducer/deferred.cpp). At the end
 // of backward, one fused norm pass over every bucket buffer gives this rank's total norm;
 // the clip coefficient, times the averaging factor the reducer skipped, scales all buckets
-// in one pass; then the buckets launch. No host sync: the coefficient stays a tensor.
+// in one pass; then the buckets launch. No host sync: the coefficient stays a tensor,
+// except with error_if_nonfinite (See Note [Non-finite local norm]).
 // See Note [Clip after vs before the all-reduce] in pycomm/clip.py for what this means.
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/isfinite.h>
 #include <ATen/ops/mul.h>
+#include <ATen/ops/zeros.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <cmath>
 #include <memory>
 #include <mutex>
+#include <sstream>
 #include <vector>
 
+#include "comm/c10d.h"
 #include "grad/grad_math.h"
 #include "reducer/reducer.h"
 
@@ -22,7 +28,11 @@ namespace py = pybind11;
 
 class LocalClip {
  public:
-  LocalClip(double max_norm, double norm_type) { set(max_norm, norm_type); }
+  LocalClip(double max_norm, double norm_type, bool error_if_nonfinite,
+            comm::ProcessGroupPtr pg)
+      : error_if_nonfinite_(error_if_nonfinite), pg_(std::move(pg)) {
+    set(max_norm, norm_type);
+  }
 
   void set(double max_norm, double norm_type) {
     constexpr const char* who = "DistributedDataParallel local clipping";
@@ -55,10 +65,13 @@ class LocalClip {
     at::ScalarType dtype = buffers.front().scalar_type();  // torch's: the grads' promotion
     for (const auto& b : buffers) dtype = c10::promoteTypes(dtype, b.scalar_type());
     auto [total, coef] = coef_op.call(partial, norm_type, max_norm, dtype);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      total_ = total;
+    }
+    if (error_if_nonfinite_) check_finite_everywhere(total, norm_type);
     // One pass: the clip coefficient and the averaging factor together.
     scale_op.call(buffers, divide == 1.0 ? coef : at::mul(coef, divide));
-    std::lock_guard<std::mutex> lock(mutex_);
-    total_ = std::move(total);
   }
 
   // This rank's total local norm (before clipping) of the last synchronized backward.
@@ -69,6 +82,45 @@ class LocalClip {
   }
 
  private:
+  // Note [Non-finite local norm]
+  // local_clip_error_if_nonfinite (torch's error_if_nonfinite for the local clip): every
+  // rank must raise in the same step, or the others would launch buckets that this rank
+  // never matches and wait out the group timeout. So each rank puts its "non-finite" flag
+  // in its slot of a world-sized vector, one all-reduce sums them (before any bucket
+  // launches; a joined rank shadows it with zeros, pycomm/ddp_join.py), and after a host
+  // sync (torch's error_if_nonfinite syncs too) every rank raises naming the bad ranks.
+  // Nothing was scaled or launched: each rank's grads are its local, unclipped ones, as
+  // torch's clip_grad_norm_ leaves them when it raises. A rank that never gets here (it
+  // died) makes the others' all-reduce fail within the group timeout.
+  void check_finite_everywhere(const at::Tensor& total, double norm_type) {
+    const int rank = pg_->getRank();
+    at::Tensor flags = at::zeros({pg_->getSize()}, total.options().dtype(at::kFloat));
+    flags.select(0, rank).copy_(at::isfinite(total).logical_not());
+    auto future = comm::start_allreduce(pg_, flags, c10d::ReduceOp::SUM)->getFuture();
+    future->wait();
+    TORCH_CHECK(!future->hasError(), "pycomm DDP local clipping (rank ", rank,
+                "): the all-reduce of the non-finite flags failed: ",
+                future->tryRetrieveErrorMessage());
+    const at::Tensor host = flags.to(at::kCPU);
+    const float* flag = host.data_ptr<float>();
+    std::ostringstream bad;
+    for (int64_t r = 0; r < host.numel(); ++r) {
+      if (flag[r] != 0.0f) bad << (bad.tellp() > 0 ? ", " : "") << r;
+    }
+    if (bad.tellp() == 0) return;
+    constexpr const char* left = "; nothing was reduced: every rank's gradients are its local, "
+                                 "unclipped ones";
+    TORCH_CHECK(flag[rank] == 0.0f, "pycomm DDP local clipping (rank ", rank,
+                "): the total norm of order ", norm_type, " of this rank's local gradients is ",
+                std::isnan(total.item<double>()) ? "nan" : "inf", ", so it cannot be clipped "
+                "(DDPConfig.local_clip_error_if_nonfinite=True)", left);
+    TORCH_CHECK(false, "pycomm DDP local clipping (rank ", rank, "): rank(s) ", bad.str(),
+                " had a non-finite local gradient norm "
+                "(DDPConfig.local_clip_error_if_nonfinite=True)", left);
+  }
+
+  const bool error_if_nonfinite_;
+  const comm::ProcessGroupPtr pg_;
   std::mutex mutex_;
   double max_norm_ = 0.0;
   double norm_type_ = 2.0;
@@ -84,14 +136,16 @@ void bind_local_clip(py::module& m) {
       .def("total_norm", &LocalClip::total_norm);
   m.def(
       "attach_local_clip",
-      [](reducer::Reducer& r, double max_norm, double norm_type) {
-        auto clip = std::make_shared<LocalClip>(max_norm, norm_type);
+      [](reducer::Reducer& r, double max_norm, double norm_type, bool error_if_nonfinite) {
+        auto clip = std::make_shared<LocalClip>(max_norm, norm_type, error_if_nonfinite,
+                                                r.process_group());
         r.set_launch_gate([clip](const std::vector<at::Tensor>& buffers, double divide) {
           clip->apply(buffers, divide);
         });
         return clip;
       },
       py::arg("reducer"), py::arg("max_norm"), py::arg("norm_type"),
+      py::arg("error_if_nonfinite") = false,
       "Make the reducer clip this rank's gradients (all buckets) before launching them.");
 }
 
