@@ -321,6 +321,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
+    def gradient_group(self) -> dist.ProcessGroup:
+        """The group gradients are all-reduced on: `process_group` itself, or the "pycomm"
+        shared-memory group made over the same ranks (see pycomm.shm.stats)."""
+        return self._gradient_pg
+
+    @property
     def join_device(self) -> torch.device:
         return self.device
 

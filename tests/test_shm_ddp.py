@@ -11,6 +11,7 @@ import torch.nn as nn
 from ddp_models import tanh_mlp, train_sgd
 
 import pycomm
+import pycomm.shm
 from multirank import run_ranks
 
 
@@ -22,9 +23,13 @@ def _shm_gradients(rank, world):
         copy.deepcopy(base), config=pycomm.DDPConfig(bucket_cap_mb=0.1,
                                                      shared_memory_gradients=False))
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.1)
-    assert dist.get_backend(on._gradient_pg) == "pycomm"
-    assert off._gradient_pg is dist.group.WORLD and on.process_group is dist.group.WORLD
+    assert dist.get_backend(on.gradient_group) == "pycomm"
+    assert off.gradient_group is dist.group.WORLD and on.process_group is dist.group.WORLD
+    before = pycomm.shm.stats(on.gradient_group)
     results = [train_sgd(m, rank) for m in (on, off, ref)]
+    after = pycomm.shm.stats(on.gradient_group)
+    ran = sum(after[k] - before[k] for k in ("ops_on_caller_thread", "ops_on_worker_thread"))
+    assert ran >= len(on.reducer.bucket_indices()), (before, after)
     for a, b, c in zip(*results):
         if world == 2:
             # Each gradient element is one fp32 addition of two halves: commutative, exact.
