@@ -184,15 +184,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::gather_into(const char* op,
                                                        const c10d::AllgatherOptions& opts) {
   return enqueue(op, c10d::OpType::ALLGATHER, outs, [this, outs, input](const OpContext& c) {
     Dense in(input);
-    std::vector<Dense> dense;
-    std::vector<char*> ptrs;
-    dense.reserve(outs.size());
-    for (const auto& o : outs) {
-      dense.emplace_back(o);
-      ptrs.push_back(dense.back().data());
-    }
-    channel_->allgather(in.data(), in.bytes(), ptrs, c);
-    for (auto& d : dense) d.write_back();
+    DenseList dense(outs);
+    channel_->allgather(in.data(), in.bytes(), dense.ptrs, c);
+    dense.write_back();
   }, opts);
 }
 

@@ -65,15 +65,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::gather(std::vector<std::vector<at::Te
   }
   return enqueue("gather", c10d::OpType::GATHER, outs, [this, in, outs, root](const OpContext& c) {
     Dense d(in);
-    std::vector<Dense> dense;
-    std::vector<char*> ptrs;
-    dense.reserve(outs.size());
-    for (const auto& o : outs) {
-      dense.emplace_back(o);
-      ptrs.push_back(dense.back().data());
-    }
-    channel_->gather(d.data(), d.bytes(), ptrs, root, c);
-    for (auto& o : dense) o.write_back();
+    DenseList dense(outs);
+    channel_->gather(d.data(), d.bytes(), dense.ptrs, root, c);
+    dense.write_back();
   }, opts);
 }
 
@@ -89,14 +83,8 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::scatter(std::vector<at::Tensor>& outp
   }
   auto body = [this, out, ins, root](const OpContext& c) {
     Dense d(out);
-    std::vector<Dense> dense;
-    std::vector<const char*> ptrs;
-    dense.reserve(ins.size());
-    for (const auto& i : ins) {
-      dense.emplace_back(i);
-      ptrs.push_back(dense.back().data());
-    }
-    channel_->scatter(ptrs, d.data(), d.bytes(), root, c);
+    DenseList dense(ins);
+    channel_->scatter(dense.const_ptrs(), d.data(), d.bytes(), root, c);
     d.write_back();
   };
   return enqueue("scatter", c10d::OpType::SCATTER, {out}, std::move(body), opts);

@@ -48,4 +48,21 @@ struct Dense {
   }
 };
 
+// Dense stand-ins for a list of tensors, and their data pointers in order.
+struct DenseList {
+  std::vector<Dense> dense;
+  std::vector<char*> ptrs;
+  explicit DenseList(const std::vector<at::Tensor>& tensors) {
+    dense.reserve(tensors.size());
+    for (const auto& t : tensors) {
+      dense.emplace_back(t);
+      ptrs.push_back(dense.back().data());
+    }
+  }
+  std::vector<const char*> const_ptrs() const { return {ptrs.begin(), ptrs.end()}; }
+  void write_back() {
+    for (auto& d : dense) d.write_back();
+  }
+};
+
 }  // namespace pycomm::shm
