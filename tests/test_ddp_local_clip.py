@@ -101,13 +101,20 @@ def _clip_and_average(ref, world, divisor=None):
         dist.all_reduce(p.grad)
 
 
-def _nonfinite(rank, world):
+def _oracle_and_ours(error_if_nonfinite):
+    """torch's DDP (only ever run under no_sync: local gradients) and pycomm's with local
+    clipping, on the same MLP, each with its SGD."""
     base = build("mlp")
-    ref = TorchDDP(copy.deepcopy(base))  # only ever under no_sync: local gradients
+    ref = TorchDDP(copy.deepcopy(base))
     cfg = pycomm.DDPConfig(bucket_cap_mb=1e-3, local_clip_max_norm=MAX_NORM,
-                           local_clip_error_if_nonfinite=True)
+                           local_clip_error_if_nonfinite=error_if_nonfinite)
     ours = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, ours)]
+    return ref, ours, opts
+
+
+def _nonfinite(rank, world):
+    ref, ours, opts = _oracle_and_ours(error_if_nonfinite=True)
     for step, bad_rank in enumerate((None, 1, None)):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
@@ -150,12 +157,7 @@ def test_local_clip_error_if_nonfinite_raises_on_every_rank():
 def _join(rank, world, divide_by_initial_world_size, error_if_nonfinite):
     """Rank 1 runs out of data after one step; the oracle adds zeros for it."""
     steps = [3, 1][rank]
-    base = build("mlp")
-    ref = TorchDDP(copy.deepcopy(base))  # only ever under no_sync: local gradients
-    cfg = pycomm.DDPConfig(bucket_cap_mb=1e-3, local_clip_max_norm=MAX_NORM,
-                           local_clip_error_if_nonfinite=error_if_nonfinite)
-    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, ours)]
+    ref, ours, opts = _oracle_and_ours(error_if_nonfinite)
     with ours.join(divide_by_initial_world_size=divide_by_initial_world_size):
         for step in range(steps):
             opts[1].zero_grad()

@@ -21,9 +21,12 @@ void check_entry(const char* op, int root, const char* what, size_t index, const
                     numel, " elements");
 }
 
-// The root's list of `world` tensors; every other rank passes none (or one empty list).
+// The root's list of `world` tensors, each checked against `like` (dtype, numel); every
+// other rank passes none (or one empty list). Checks `root` too.
 std::vector<at::Tensor> root_list(const char* op, const char* what, int rank, int root,
-                                  int world, const std::vector<std::vector<at::Tensor>>& lists) {
+                                  int world, const std::vector<std::vector<at::Tensor>>& lists,
+                                  const at::Tensor& like) {
+  check_rank(op, "root", root, world);
   if (rank != root) {
     TORCH_CHECK_VALUE(lists.empty() || (lists.size() == 1 && lists[0].empty()), "pycomm ", op,
                       " (root ", root, "): rank ", rank, " is not the root and must pass no ",
@@ -34,6 +37,9 @@ std::vector<at::Tensor> root_list(const char* op, const char* what, int rank, in
                     op, " (root ", root, "): the root expects one list of ", world, " ", what,
                     " tensors (one per rank), got ", lists.size(), " lists of ",
                     lists.empty() ? 0 : lists[0].size());
+  for (size_t i = 0; i < lists[0].size(); ++i) {
+    check_entry(op, root, what, i, lists[0][i], like, like.numel());
+  }
   return lists[0];
 }
 
@@ -58,11 +64,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::gather(std::vector<std::vector<at::Te
                                                   const c10d::GatherOptions& opts) {
   const at::Tensor& in = single("gather", inputs);
   int root = static_cast<int>(opts.rootRank);
-  check_rank("gather", "root", root, size_);
-  auto outs = root_list("gather", "output", rank_, root, size_, outputs);
-  for (size_t i = 0; i < outs.size(); ++i) {
-    check_entry("gather", root, "output", i, outs[i], in, in.numel());
-  }
+  auto outs = root_list("gather", "output", rank_, root, size_, outputs, in);
   return enqueue("gather", c10d::OpType::GATHER, outs, [this, in, outs, root](const OpContext& c) {
     Dense d(in);
     DenseList dense(outs);
@@ -76,11 +78,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::scatter(std::vector<at::Tensor>& outp
                                                    const c10d::ScatterOptions& opts) {
   const at::Tensor& out = single("scatter", outputs);
   int root = static_cast<int>(opts.rootRank);
-  check_rank("scatter", "root", root, size_);
-  auto ins = root_list("scatter", "input", rank_, root, size_, inputs);
-  for (size_t i = 0; i < ins.size(); ++i) {
-    check_entry("scatter", root, "input", i, ins[i], out, out.numel());
-  }
+  auto ins = root_list("scatter", "input", rank_, root, size_, inputs, out);
   auto body = [this, out, ins, root](const OpContext& c) {
     Dense d(out);
     DenseList dense(ins);
