@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from pycomm.bench import common
 from pycomm.bench.bucket_sweep import fit_network
+from pycomm.objects import all_gather_object
 from pycomm.overlap import AlphaBeta, replay, step_report
 
 MIB = 1 << 20
@@ -73,9 +74,7 @@ def _body(reps: int) -> dict:
     for name, plan in SCENARIOS:
         _one_step(plan, -1)  # warm-up
         steps = [_one_step(plan, i) for i in range(reps)]
-        gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, _median_step(steps))
-        recorded[name] = gathered
+        recorded[name] = all_gather_object(_median_step(steps))
     return {"network": network.__dict__, "steps": recorded}
 
 

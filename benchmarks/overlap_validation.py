@@ -22,12 +22,12 @@ import json
 import statistics
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import pycomm
 from pycomm.bench import common
 from pycomm.bench.bucket_sweep import fit_network
+from pycomm.objects import all_gather_object
 from pycomm.overlap import AlphaBeta, fit_in_backward, replay, step_report
 
 
@@ -46,8 +46,7 @@ def _body(steps: int) -> dict:
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, ddp.timelines(steps))
+    gathered = all_gather_object(ddp.timelines(steps))
     return {"network": network.__dict__, "timelines": gathered}
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C
+from .objects import all_gather_object
 
 BACKEND_NAME = "pycomm"
 
@@ -127,8 +128,7 @@ def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     if dist.get_backend(group) == BACKEND_NAME:
         answer = group
     elif dist.get_backend(group) == "gloo" and size > 1:
-        hosts: list[str | None] = [None] * size
-        dist.all_gather_object(hosts, host_identity(), group=group)
+        hosts = all_gather_object(host_identity(), group=group)
         if len(set(hosts)) == 1:
             answer = dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
                                     timeout=_group_timeout(group),

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
 from multirank import run_ranks
+from pycomm.objects import all_gather_object
 
 TIMELINE_KEYS = {"step", "rank", "backward_start_ns", "param_ready_ns", "param_names",
                  "buckets", "finalize_start_ns", "finalize_end_ns"}
@@ -85,8 +86,7 @@ def _overlap_order_callbacks(rank, world_size):
     tls = _check_timeline(ours, 3)
     # The ready order really differed between ranks (else this test proves nothing).
     order = sorted(range(len(tls[1]["param_ready_ns"])), key=lambda i: tls[1]["param_ready_ns"][i])
-    orders = [None] * world_size
-    dist.all_gather_object(orders, order)
+    orders = all_gather_object(order)
     assert orders[0] != orders[1], orders
 
 

@@ -109,20 +109,19 @@ def write_chrome_trace(path: str | os.PathLike, steps: Sequence[StepReport | Map
     written, or None on ranks that did not write.
 
     With all_ranks=True this is a collective over `group` (default: the world): every rank
-    must call it; the group's rank 0 gathers every rank's timelines (dist.gather_object)
+    must call it; the group's rank 0 gathers every rank's timelines (pycomm.objects.gather_object)
     and writes one merged file.
     """
     timelines = [dict(raw_timeline(s)) for s in steps]
     if all_ranks:
         import torch.distributed as dist
 
+        from ..objects import gather_object
+
         if not dist.is_initialized():
             raise RuntimeError("write_chrome_trace(all_ranks=True) needs an initialized "
                                "process group")
-        dst = dist.get_global_rank(group, 0) if group is not None else 0
-        gathered: Optional[list] = ([None] * dist.get_world_size(group)
-                                    if dist.get_rank(group) == 0 else None)
-        dist.gather_object(timelines, gathered, dst=dst, group=group)
+        gathered = gather_object(timelines, 0, group=group)
         if gathered is None:
             return None
         timelines = [raw for per_rank in gathered for raw in per_rank]
