@@ -43,11 +43,18 @@ class DDPConfig:
     """The set of used parameters never changes: learned in step 1, then no traversal."""
 
     broadcast_buffers: bool = True
-    """Broadcast module buffers from rank 0 before each forward (torch's
-    broadcast_buffers / forward_sync_buffers)."""
+    """Broadcast module buffers from rank 0 before a forward (torch's forward_sync_buffers,
+    or its deprecated broadcast_buffers): before every forward that follows a synchronizing
+    one (grad enabled, outside no_sync), as torch does. A forward under no_sync or
+    torch.no_grad() leaves the next forward's buffers local."""
 
     init_sync: bool = True
     """Verify parameter shapes across ranks and broadcast rank 0's states at construction."""
+
+    init_sync_buffers: bool = True
+    """With init_sync: broadcast rank 0's buffers at construction too (parameters always
+    are). torch turns it off when only broadcast_buffers=False is passed (each rank keeps
+    its own BatchNorm statistics), and keeps it on with forward_sync_buffers=False."""
 
     record_timeline: bool = True
     """Record per-step timing (see Note [Timeline] in csrc/reducer/timeline.h): backward

@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,6 +23,7 @@ from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_args import check_args, config_from_args, find_tensors, gradient_group, resolve_group
 from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
+from .objects import all_gather_object
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -113,9 +114,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _verify_and_sync_states(self) -> None:
         meta = [(n, tuple(p.shape), str(p.dtype)) for n, p in self._params_to_sync()]
-        world = dist.get_world_size(self.process_group)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, meta, group=self.process_group)
+        gathered = all_gather_object(meta, group=self.process_group)
         for rank, other in enumerate(gathered):
             if other == gathered[0]:
                 continue
@@ -123,7 +122,9 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if a != b:
                     raise RuntimeError(f"DDP expects the same parameters on every rank: rank 0 "
                                        f"has {a}, rank {rank} has {b} (name, shape, dtype)")
-        states = [p.detach() for _, p in self._params_to_sync()] + self._buffers_to_sync()
+        states = [p.detach() for _, p in self._params_to_sync()]
+        if self.config.init_sync_buffers:  # torch: not with broadcast_buffers=False
+            states += self._buffers_to_sync()
         if states:
             dist._broadcast_coalesced(self.process_group, states, BROADCAST_BUCKET_BYTES, 0)
 
@@ -189,6 +190,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, target, False)
             inputs, kwargs = moved[0], moved_kwargs[0]
         output = self.module(*inputs, **kwargs)
+        # torch's _post_forward: buffers are synchronized before the next forward only if
+        # this one was a synchronizing one (so not after a no_sync micro-batch or a
+        # torch.no_grad() forward in train mode).
+        self.require_forward_param_sync = grad_sync
         if grad_sync:
             note = self.reducer.prepare_for_backward(find_tensors(output))
         else:
@@ -218,7 +223,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not buffers or dist.get_world_size(self.process_group) == 1:
             return
         src = self._find_common_rank(authoritative) if self._join_config.enable else 0
-        with torch.no_grad():
+        # As torch: the broadcast does not bump the buffers' version counters, so a graph
+        # that saved a buffer for backward is not invalidated by it.
+        with torch.no_grad(), ExitStack() as keep:
+            for b in buffers:  # one tensor each: torch < 2.6 takes no tuple here
+                keep.enter_context(torch.autograd._unsafe_preserve_version_counter(b))
             dist._broadcast_coalesced(self.process_group, buffers, BROADCAST_BUCKET_BYTES,
                                       src)
 

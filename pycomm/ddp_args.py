@@ -80,10 +80,27 @@ def check_args(args: dict[str, Any]) -> None:
                       "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
 
 
+def buffer_sync(broadcast_buffers: Optional[bool],
+                forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
+    """(sync buffers before forwards, sync them at construction), as torch 2.13 derives
+    them: forward_sync_buffers wins and leaves the construction-time sync on; the
+    deprecated broadcast_buffers alone governs both."""
+    if broadcast_buffers is not None:
+        which = ("is ignored because forward_sync_buffers was given"
+                 if forward_sync_buffers is not None else
+                 "also turns off the construction-time buffer sync, which "
+                 "forward_sync_buffers=False does not")
+        warnings.warn(f"DistributedDataParallel(broadcast_buffers=...) is deprecated in torch "
+                      f"2.13 (use forward_sync_buffers); its value {which}",
+                      FutureWarning, stacklevel=4)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    sync = True if broadcast_buffers is None else broadcast_buffers
+    return sync, sync
+
+
 def config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPConfig:
-    sync = args["forward_sync_buffers"]
-    if sync is None:
-        sync = True if args["broadcast_buffers"] is None else args["broadcast_buffers"]
+    sync, init_buffers = buffer_sync(args["broadcast_buffers"], args["forward_sync_buffers"])
     caps = args["bucket_cap_mb_list"]
     from_args = dict(
         bucket_cap_mb=args["bucket_cap_mb"],
@@ -91,6 +108,7 @@ def config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPCo
         find_unused_parameters=args["find_unused_parameters"],
         gradient_as_bucket_view=args["gradient_as_bucket_view"],
         static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"],
+        init_sync_buffers=init_buffers,
         skip_all_reduce_unused_params=args["skip_all_reduce_unused_params"],
         batched_grad_copy=args["batched_grad_copy"])
     if config is None:
