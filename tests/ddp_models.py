@@ -93,6 +93,29 @@ class Branchy(nn.Module):
         return Out(y, (h,))
 
 
+class Checkpointed(nn.Module):
+    """Activation checkpointing (torch.utils.checkpoint): `block` runs in two checkpointed
+    segments when `shared`, so with use_reentrant=True its gradient hook fires once per
+    segment's nested backward; otherwise two distinct blocks, one segment each."""
+
+    def __init__(self, reentrant: bool, shared: bool):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.block = nn.Linear(16, 16)
+        self.other = None if shared else nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        for layer in (self.block, self.other or self.block):
+            h = checkpoint(lambda t, f=layer: torch.tanh(f(t)), h,
+                           use_reentrant=self.reentrant)
+        return self.head(h)
+
+
 def make_input(model: str, rank: int, step: int, batch: int = 4) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 * step + rank)
     if model in ("attn", "tied"):
@@ -105,7 +128,10 @@ def make_input(model: str, rank: int, step: int, batch: int = 4) -> torch.Tensor
 def build(model: str) -> nn.Module:
     torch.manual_seed(7)
     return {"mlp": MLP, "convbn": ConvBN, "attn": Attn, "tied": Tied,
-            "branchy": Branchy, "rankdep": lambda: Branchy(True)}[model]()
+            "branchy": Branchy, "rankdep": lambda: Branchy(True),
+            "ckpt_reentrant_shared": lambda: Checkpointed(True, True),
+            "ckpt_reentrant": lambda: Checkpointed(True, False),
+            "ckpt_shared": lambda: Checkpointed(False, True)}[model]()
 
 
 def loss_of(out: Any) -> torch.Tensor:

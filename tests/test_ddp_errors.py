@@ -34,7 +34,8 @@ def _usage_errors(rank, world_size):
     _raises(RuntimeError, r"net\.\d\.\w+ got a gradient after this step was already reduced",
             loss.backward)
     ddp.module.net[0].weight.requires_grad_(False)
-    _raises(ValueError, r"net\.0\.weight no longer requires grad", ddp, make_input("mlp", rank, 0))
+    _raises(RuntimeError, r"net\.0\.weight no longer requires grad", ddp,
+            make_input("mlp", rank, 0))
     frozen = nn.Linear(2, 2).requires_grad_(False)
     _raises(RuntimeError, "doesn't have any parameter that requires a gradient", DDP, frozen)
     _raises(NotImplementedError, "mixed_precision", DDP, build("mlp"), mixed_precision=object())

@@ -28,8 +28,10 @@ std::string describe_params(const Bucket& bucket, const std::vector<std::string>
 void Reducer::finalize_backward() {
   const int64_t finalize_start = now_ns();
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ != State::kBackward) return;
+  finalize_queued_ = false;
+  if (state_ != State::kBackward) return;  // a backward that reached no parameter
   state_ = State::kReduced;
+  if (counting_hooks()) mark_counted();  // See Note [Static graph hook counts]
   if (gate_) open_launch_gate();
   if (next_launch_ < buckets_.size()) fail_unready();
   for (auto& bucket : buckets_) wait_bucket(*bucket);
@@ -219,7 +221,10 @@ void Reducer::note_shadowed_step(const std::optional<at::Tensor>& global_used) {
                       "note_shadowed_step: usage of ", used.numel(), " parameters, expected ",
                       params_.size());
     const int32_t* counts = used.data_ptr<int32_t>();
-    for (size_t i = 0; i < params_.size(); ++i) static_unused_[i] = counts[i] == 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      static_unused_[i] = counts[i] == 0;
+      expected_hooks_[i] = counts[i] == 0 ? 0 : 1;  // this rank never ran a step
+    }
     track_used_ = false;
   }
   end_recorded_step();

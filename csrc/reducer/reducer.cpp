@@ -5,8 +5,6 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
-#include <unordered_set>
-
 namespace pycomm::reducer {
 
 namespace {
@@ -47,6 +45,8 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   marked_.assign(params_.size(), 0);
   ready_ns_.assign(params_.size(), -1);
   static_unused_.assign(params_.size(), 0);
+  hook_counts_.assign(params_.size(), 0);
+  expected_hooks_.assign(params_.size(), 1);
   local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
   track_used_ = options_.find_unused_parameters || options_.static_graph;
   // Buckets are rebuilt from the observed ready order once, unless the graph is dynamic
@@ -125,6 +125,8 @@ void Reducer::reset_step() {
   next_launch_ = 0;
   std::fill(marked_.begin(), marked_.end(), 0);
   std::fill(ready_ns_.begin(), ready_ns_.end(), -1);
+  std::fill(hook_counts_.begin(), hook_counts_.end(), 0);
+  finalize_queued_ = false;  // a backward that raised dropped its queued callback
   for (auto& bucket : buckets_) {
     bucket->pending = bucket->params.size();
     bucket->unused = 0;
@@ -145,17 +147,20 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
   std::lock_guard<std::mutex> lock(mutex_);
   std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
   for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK_VALUE(params_[i].requires_grad(), "parameter ", names_[i],
-                      " no longer requires grad: requires_grad changed after "
-                      "DistributedDataParallel was constructed; wrap the module again");
+    // A RuntimeError, as torch's (which raises one a forward later, when the step this
+    // parameter left unfinished is found): code written for torch's DDP catches it.
+    TORCH_CHECK(params_[i].requires_grad(), "pycomm DDP (rank ", rank_, "): parameter ",
+                names_[i], " no longer requires grad: requires_grad changed after "
+                "DistributedDataParallel was constructed; wrap the module again");
   }
   reset_step();
   unused_.clear();
   if (options_.static_graph && !track_used_) {
+    // This rank's own unused set, learned in the first step (torch's unused_parameters_).
     for (size_t i = 0; i < params_.size(); ++i) {
-      if (static_unused_[i]) unused_.push_back(i);
+      if (expected_hooks_[i] == 0) unused_.push_back(i);
     }
-  } else if (options_.find_unused_parameters || options_.static_graph) {
+  } else if (options_.find_unused_parameters && !options_.static_graph) {
     find_unused(outputs);
   }
   std::weak_ptr<Reducer*> weak = self_;
@@ -175,31 +180,24 @@ std::string Reducer::prepare_no_sync() {
   return note;
 }
 
-void Reducer::find_unused(const std::vector<at::Tensor>& outputs) {
-  std::unordered_set<torch::autograd::Node*> seen;
-  std::vector<torch::autograd::Node*> stack;
-  for (const auto& out : outputs) {
-    if (!out.defined() || !out.requires_grad()) continue;
-    auto edge = torch::autograd::impl::gradient_edge(out);
-    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
-  }
-  while (!stack.empty()) {
-    torch::autograd::Node* node = stack.back();
-    stack.pop_back();
-    for (const auto& edge : node->next_edges()) {
-      if (edge.function && seen.insert(edge.function.get()).second) {
-        stack.push_back(edge.function.get());
-      }
-    }
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!seen.count(accumulators_[i].get())) unused_.push_back(i);
-  }
+// The finalize callback goes on the graph task that runs the module's outputs' backward,
+// queued from there (on_backward_start) or, when backward reaches a parameter without
+// passing an output, at the first parameter hook. Not at the first hook in general: with
+// torch.utils.checkpoint(use_reentrant=True) the first hooks fire inside a nested
+// backward, whose task ends (and would run finalize) before the other segments' run.
+void Reducer::queue_finalize() {
+  if (finalize_queued_) return;
+  finalize_queued_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
+    if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
+  });
 }
 
 void Reducer::on_backward_start() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ == State::kPrepared && backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  if (state_ != State::kPrepared) return;
+  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  queue_finalize();
 }
 
 void Reducer::begin_backward_locked() {
@@ -209,9 +207,7 @@ void Reducer::begin_backward_locked() {
   stamps_ = options_.record_timeline && !device.is_cpu()
                 ? std::make_shared<DeviceStamps>(device) : nullptr;
   scale_ = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(div_factor_));
-  torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
-    if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
-  });
+  queue_finalize();
   for (size_t index : unused_) ++buckets_[locator_[index].first]->unused;
   for (size_t index : unused_) mark_ready(index, /*used=*/false);
 }
@@ -226,9 +222,16 @@ void Reducer::autograd_hook(size_t index) {
               "ran twice without a forward through the DistributedDataParallel wrapper");
   if (state_ == State::kPrepared) begin_backward_locked();
   last_hooked_ = static_cast<int64_t>(index);
+  if (options_.static_graph && static_hook_pending(index)) return;
+  // torch raises a RuntimeError at the same point ("Expected to mark a variable ready only
+  // once"); a hook that fires twice without static_graph has no count to wait for.
   TORCH_CHECK(!marked_[index], "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
-              " was marked ready twice in one backward (used in a reentrant backward or "
-              "outside the module's outputs); find_unused_parameters=True cannot apply to it");
+              " was marked ready twice in one backward: it received gradients from more "
+              "than one reentrant backward (e.g. a layer run in several "
+              "torch.utils.checkpoint(use_reentrant=True) segments), or it was used outside "
+              "the module's outputs, or find_unused_parameters=True marked it unused because "
+              "a reentrant checkpoint hides it from the graph. Pass static_graph=True when the "
+              "graph is the same every step, or use use_reentrant=False.");
   mark_ready(index, /*used=*/true);
 }
 
@@ -237,7 +240,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   const auto [bucket_index, slot] = locator_[index];
   Bucket& bucket = *buckets_[bucket_index];
   copy_into_bucket(bucket, slot);
-  if (options_.record_timeline && used) ready_ns_[index] = now_ns();
+  if (options_.record_timeline && used && ready_ns_[index] < 0) ready_ns_[index] = now_ns();
   if (record_order_) order_.push_back(index);
   if (--bucket.pending == 0) {
     if (options_.batched_grad_copy) flush_batched(bucket);

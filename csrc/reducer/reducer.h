@@ -138,6 +138,11 @@ class Reducer {
   void push_timeline(int64_t finalize_start_ns);
   bool globally_unused(size_t index) const;
   void find_unused(const std::vector<at::Tensor>& outputs);
+  void queue_finalize();
+  // static_graph (See Note [Static graph hook counts]).
+  bool counting_hooks() const { return options_.static_graph && track_used_; }
+  bool static_hook_pending(size_t index);
+  void mark_counted();
   // main_grad.cpp (See Note [main_grad accumulation]).
   void note_widened();
   void accumulate_main_grad(size_t index);
@@ -176,6 +181,11 @@ class Reducer {
   std::vector<uint8_t> marked_;
   std::vector<size_t> unused_;         // marked ready (zero) at backward start
   int64_t last_hooked_ = -1;           // the last parameter a hook marked ready this step
+  bool finalize_queued_ = false;       // finalize_backward is queued on a graph task
+  // static_graph: gradient hooks seen per parameter this backward, and how many the first
+  // step saw (the parameter is ready at the last of them).
+  std::vector<int32_t> hook_counts_;
+  std::vector<int32_t> expected_hooks_;
   at::Tensor scale_;                   // 1 / div_factor_, a wrapped scalar
   int64_t step_ = 0;
 
