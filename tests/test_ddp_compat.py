@@ -1,0 +1,148 @@
+"""pycomm's DDP where code expects torch's (pycomm/ddp_compat.py): the isinstance answer,
+torch's attributes Lightning / Accelerate / the HF Trainer read, each beside torch's own
+value, and the reducer methods they call from outside forward, against torch's DDP
+running the same sequence."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_models import MLP, ConvBN
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pycomm
+from multirank import run_ranks
+
+# Attributes read as plain values, with the construction arguments that change them.
+_SAME_VALUE = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view",
+               "broadcast_buffers", "bucket_bytes_cap", "require_backward_grad_sync",
+               "require_forward_param_sync", "device_ids", "output_device", "dim")
+_KWARGS = ({}, dict(find_unused_parameters=True, broadcast_buffers=False, bucket_cap_mb=5),
+           dict(static_graph=True, gradient_as_bucket_view=True))
+
+
+def test_is_a_virtual_subclass_of_torch_ddp():
+    assert issubclass(pycomm.DistributedDataParallel, TorchDDP)
+    # See Note [Virtual subclass of torch's DDP]: nothing of torch's class is inherited.
+    assert TorchDDP not in pycomm.DistributedDataParallel.__mro__
+
+
+def _attributes(rank, world_size):
+    for kwargs in _KWARGS:
+        torch.manual_seed(0)
+        model = ConvBN()
+        theirs = TorchDDP(copy.deepcopy(model), **kwargs)
+        ours = pycomm.DistributedDataParallel(copy.deepcopy(model), **kwargs)
+        assert isinstance(ours, TorchDDP)
+        for name in _SAME_VALUE:
+            assert getattr(ours, name) == getattr(theirs, name), (name, kwargs)
+        assert ours.module is not None and list(ours.state_dict()) == list(theirs.state_dict())
+        assert ours.parameters_to_ignore == theirs.parameters_to_ignore
+        assert ours.will_sync_module_buffers() == theirs.will_sync_module_buffers()
+        ours_log, theirs_log = ours._get_ddp_logging_data(), theirs._get_ddp_logging_data()
+        for key, value in ours_log.items():
+            if key in ("gradient_backend_name", "bucket_sizes", "dtypes"):
+                continue  # pycomm's own values: its gradient group, buckets, dtype names
+            assert value == theirs_log[key], (key, kwargs)
+        assert ("static_graph" in ours_log) == ("static_graph" in theirs_log)
+        assert "can_set_static_graph" not in ours_log
+    ours.broadcast_buffers = False  # a setter, as torch's plain attribute
+    assert not ours.config.broadcast_buffers and not ours.will_sync_module_buffers()
+
+
+def test_torch_attributes_match_torch_ddp():
+    run_ranks(_attributes)
+
+
+def _set_static_graph(rank, world_size):
+    torch.manual_seed(0)
+    model = MLP()
+    theirs, ours = TorchDDP(copy.deepcopy(model)), pycomm.DistributedDataParallel(model)
+    # Keyword arguments, as Lightning and Accelerate pass them.
+    for ddp in (theirs, ours):
+        ddp.register_comm_hook(state=None, hook=default_hooks.allreduce_hook)
+        ddp._set_static_graph()
+        assert ddp.static_graph and ddp._get_ddp_logging_data()["static_graph"] == 1
+    assert ours.reducer.has_comm_hook()
+    x = torch.randn(4, 8).add(rank)
+    for ddp in (theirs, ours):
+        for _ in range(2):
+            ddp(x).square().sum().backward()
+    for a, b in zip(theirs.parameters(), ours.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="before the training loop"):
+        fresh = pycomm.DistributedDataParallel(MLP())
+        fresh(x).sum().backward()
+        fresh._set_static_graph()
+
+
+def test_set_static_graph_after_construction_matches_torch():
+    run_ranks(_set_static_graph)
+
+
+def _sync_in_backward(ddp, x, y, step):
+    """Accelerate's trigger_sync_in_backward: two forwards under no_sync, one local
+    backward, then a synchronized one armed from outside forward."""
+    with ddp.no_sync():
+        loss_a, loss_b = ddp(x).square().mean(), ddp(y).square().mean()
+    loss_a.backward()
+    ddp.require_backward_grad_sync = ddp.require_forward_param_sync = True
+    ddp.reducer.prepare_for_backward([])
+    loss_b.backward()
+
+
+def _manual_optimization(ddp, x, y, step):
+    """Lightning 2.6's manual optimization: grad sync switched off inside forward, after the
+    module ran (_DDPForwardRedirection), on again after it; Lightning's own
+    prepare_for_backward before backward (overrides/distributed.py); with a static graph,
+    _delay_all_reduce after the first backward (DDPStrategy.post_backward). Not on torch's:
+    torch 2.13's backward already ran it (its forward saw grad sync still on), and a second
+    call fails an internal assert, so Lightning 2.6.6 does not get that far on torch's DDP."""
+    def inner_done(*_):
+        ddp.require_backward_grad_sync = False
+
+    handle = ddp.module.register_forward_hook(inner_done)
+    out = ddp(x)
+    handle.remove()
+    ddp.require_backward_grad_sync = True
+    ddp.require_forward_param_sync = True
+    ddp.reducer._rebuild_buckets()
+    ddp.reducer.prepare_for_backward(
+        [out] if ddp.find_unused_parameters and not ddp.static_graph else [])
+    out.square().mean().backward()
+    if ddp.static_graph and step == 0 and isinstance(ddp, pycomm.DistributedDataParallel):
+        ddp.reducer._delay_all_reduce()
+
+
+def _reducer_outside_forward(rank, world_size, sequence, kwargs):
+    torch.manual_seed(0)
+    model = MLP()
+    theirs, ours = TorchDDP(copy.deepcopy(model), **kwargs), pycomm.DistributedDataParallel(
+        model, **kwargs)
+    for step in range(3):
+        x, y = (torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank + i))
+                for i in range(2))
+        for ddp in (theirs, ours):
+            ddp.zero_grad()
+            globals()[sequence](ddp, x, y, step)
+        # Two ranks: each element's all-reduce adds the same two numbers, in either order
+        # the same float; the reducer copies and scales as torch's does: bit-exact.
+        for a, b in zip(theirs.parameters(), ours.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
+        summed = ours.module.net[0].weight.grad.clone()
+        dist.all_reduce(summed)
+        torch.testing.assert_close(summed / world_size, ours.module.net[0].weight.grad)
+
+
+@pytest.mark.parametrize("sequence, kwargs", [
+    ("_sync_in_backward", {}),
+    ("_manual_optimization", {}),
+    ("_manual_optimization", {"find_unused_parameters": True}),
+    ("_manual_optimization", {"static_graph": True}),
+])
+def test_reducer_armed_outside_forward_reduces_as_torch(sequence, kwargs):
+    run_ranks(_reducer_outside_forward, sequence=sequence, kwargs=kwargs)
