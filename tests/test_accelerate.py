@@ -54,6 +54,9 @@ def _train(accelerator, use_pycomm, world_size, out_dir):
             accelerator.backward(loss_b)
         grads = [p.grad.clone() for p in model.parameters()]
     assert isinstance(model, pycomm.DistributedDataParallel) == use_pycomm
+    if use_pycomm:  # accumulate ran the first micro-batch of each step under no_sync, and
+        # trigger_sync_in_backward synchronized the backward after the no_sync forwards
+        assert len(model.timelines(64)) == _STEPS + 1
     assert accelerator.unwrap_model(model) is bare
     accelerator.save_model(model, out_dir)
     accelerator.wait_for_everyone()

@@ -118,31 +118,33 @@ def _manual_optimization(ddp, x, y, step):
         ddp.reducer._delay_all_reduce()
 
 
-def _reducer_outside_forward(rank, world_size, sequence, kwargs):
-    torch.manual_seed(0)
-    model = MLP()
-    theirs, ours = TorchDDP(copy.deepcopy(model), **kwargs), pycomm.DistributedDataParallel(
-        model, **kwargs)
-    for step in range(3):
-        x, y = (torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank + i))
-                for i in range(2))
-        for ddp in (theirs, ours):
-            ddp.zero_grad()
-            globals()[sequence](ddp, x, y, step)
-        # Two ranks: each element's all-reduce adds the same two numbers, in either order
-        # the same float; the reducer copies and scales as torch's does: bit-exact.
-        for a, b in zip(theirs.parameters(), ours.parameters()):
-            torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
-        summed = ours.module.net[0].weight.grad.clone()
-        dist.all_reduce(summed)
-        torch.testing.assert_close(summed / world_size, ours.module.net[0].weight.grad)
+_OUTSIDE_FORWARD = (("_sync_in_backward", {}), ("_manual_optimization", {}),
+                    ("_manual_optimization", {"find_unused_parameters": True}),
+                    ("_manual_optimization", {"static_graph": True}))
 
 
-@pytest.mark.parametrize("sequence, kwargs", [
-    ("_sync_in_backward", {}),
-    ("_manual_optimization", {}),
-    ("_manual_optimization", {"find_unused_parameters": True}),
-    ("_manual_optimization", {"static_graph": True}),
-])
-def test_reducer_armed_outside_forward_reduces_as_torch(sequence, kwargs):
-    run_ranks(_reducer_outside_forward, sequence=sequence, kwargs=kwargs)
+def _reducer_outside_forward(rank, world_size):
+    for sequence, kwargs in _OUTSIDE_FORWARD:  # one spawn for all: each costs seconds
+        torch.manual_seed(0)
+        model = MLP()
+        theirs = TorchDDP(copy.deepcopy(model), **kwargs)
+        ours = pycomm.DistributedDataParallel(model, **kwargs)
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g)
+            for ddp in (theirs, ours):
+                ddp.zero_grad()
+                globals()[sequence](ddp, x, y, step)
+            # Two ranks: each element's all-reduce adds the same two numbers, in either
+            # order the same float; the reducer copies and scales as torch's: bit-exact.
+            case = f"{sequence} {kwargs} step {step}"
+            for a, b in zip(theirs.parameters(), ours.parameters()):
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
+                                           msg=lambda m, case=case: f"{case}: {m}")
+            summed = ours.module.net[0].weight.grad.clone()
+            dist.all_reduce(summed)
+            torch.testing.assert_close(summed / world_size, ours.module.net[0].weight.grad)
+
+
+def test_reducer_armed_outside_forward_reduces_as_torch():
+    run_ranks(_reducer_outside_forward)

@@ -54,6 +54,8 @@ def _train(use_pycomm, world_size, out_dir):
                           train_dataset=_Tokens(world_size * _STEPS * _ACCUMULATE * _BATCH))
         trainer.train()
         assert isinstance(trainer.model_wrapped, pycomm.DistributedDataParallel) == use_pycomm
+        if use_pycomm:  # only the last micro-batch of each step synchronized (no_sync)
+            assert len(trainer.model_wrapped.timelines(64)) == _STEPS
         trainer.save_model(out_dir)  # rank 0 writes, the others go on
     torch.distributed.barrier()
     logs = [e for e in trainer.state.log_history if "loss" in e]
