@@ -78,6 +78,7 @@ def _fit_both(rank, world_size, port, root):
     _, theirs, _ = _fit(DDPStrategy(), world_size, os.path.join(root, "torch"))
     trainer, ours, path = _fit("pycomm_ddp", world_size, os.path.join(root, "pycomm"))
     assert isinstance(trainer.strategy, pycomm.lightning.DDPStrategy)
+    assert trainer.strategy.model is ours  # teardown unwrapped it: isinstance of torch's DDP
     assert isinstance(trainer.precision_plugin.clip_grad_by_norm, pycomm.lightning.FusedNormClip)
     # Accumulation ran the first micro-batch of each step under no_sync: only the last
     # backward of each step was synchronized.

@@ -58,6 +58,8 @@ def _train(use_pycomm, world_size, out_dir):
             assert len(trainer.model_wrapped.timelines(64)) == _STEPS
         trainer.save_model(out_dir)  # rank 0 writes, the others go on
     torch.distributed.barrier()
+    # Outside the patch, where torch.nn.parallel.DistributedDataParallel is torch's again.
+    assert trainer.accelerator.unwrap_model(trainer.model_wrapped) is model
     logs = [e for e in trainer.state.log_history if "loss" in e]
     return (torch.tensor([e["loss"] for e in logs]), torch.tensor([e["grad_norm"] for e in logs]),
             [p.detach().clone() for p in model.parameters()])
