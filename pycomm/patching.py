@@ -89,9 +89,9 @@ def _warn_early_binders() -> None:
     early = [name for name in _EARLY_BINDERS
              if getattr(sys.modules.get(name), "DistributedDataParallel", None) is TORCH_DDP]
     if early:
-        warnings.warn(f"pycomm.patch(): {', '.join(early)} was imported before it and keeps "
-                      f"constructing torch's DistributedDataParallel; call pycomm.patch() "
-                      f"before importing Lightning, or use "
+        warnings.warn(f"pycomm.patch(): imported before it, {', '.join(early)} bound torch's "
+                      f"DistributedDataParallel and will keep constructing it; call "
+                      f"pycomm.patch() before importing Lightning, or use "
                       f"Trainer(strategy=pycomm.lightning.DDPStrategy(...))", stacklevel=3)
 
 

@@ -18,6 +18,10 @@ import pycomm
 from multirank import run_ranks
 from pycomm.patching import TORCH_CLIP_GRAD_NORM_, TORCH_DDP
 
+# Lightning, once another test imported it, makes every patch() here warn; the one test
+# of that warning catches it all the same.
+pytestmark = pytest.mark.filterwarnings("ignore:pycomm.patch")
+
 _DDP_NAMES = (torch.nn.parallel, torch.nn.parallel.distributed)
 _CLIP_NAMES = (torch.nn.utils, torch.nn.utils.clip_grad)
 
