@@ -96,26 +96,31 @@ def _sync_in_backward(ddp, x, y, step):
 
 
 def _manual_optimization(ddp, x, y, step):
-    """Lightning 2.6's manual optimization: grad sync switched off inside forward, after the
-    module ran (_DDPForwardRedirection), on again after it; Lightning's own
-    prepare_for_backward before backward (overrides/distributed.py); with a static graph,
-    _delay_all_reduce after the first backward (DDPStrategy.post_backward). Not on torch's:
-    torch 2.13's backward already ran it (its forward saw grad sync still on), and a second
-    call fails an internal assert, so Lightning 2.6.6 does not get that far on torch's DDP."""
-    def inner_done(*_):
+    """Lightning 2.6's manual optimization: its training_step runs inside the DDP forward
+    (_ForwardRedirection swaps the module's forward) and calls backward there, after
+    Lightning's prepare_for_backward (overrides/distributed.py), then _delay_all_reduce
+    after the first backward of a static graph (DDPStrategy.post_backward); grad sync is
+    switched off when training_step returns and on again after the DDP forward."""
+    forward = ddp.module.forward
+
+    def training_step(inputs):
+        out = forward(inputs)
+        if ddp.require_backward_grad_sync:
+            ddp.require_forward_param_sync = True
+            ddp.reducer._rebuild_buckets()
+            ddp.reducer.prepare_for_backward(
+                [out] if ddp.find_unused_parameters and not ddp.static_graph else [])
+        out.square().mean().backward()
+        if ddp.static_graph and step == 0:
+            ddp.reducer._delay_all_reduce()
         ddp.require_backward_grad_sync = False
 
-    handle = ddp.module.register_forward_hook(inner_done)
-    out = ddp(x)
-    handle.remove()
-    ddp.require_backward_grad_sync = True
-    ddp.require_forward_param_sync = True
-    ddp.reducer._rebuild_buckets()
-    ddp.reducer.prepare_for_backward(
-        [out] if ddp.find_unused_parameters and not ddp.static_graph else [])
-    out.square().mean().backward()
-    if ddp.static_graph and step == 0 and isinstance(ddp, pycomm.DistributedDataParallel):
-        ddp.reducer._delay_all_reduce()
+    ddp.module.forward = training_step
+    try:
+        ddp(x)
+    finally:
+        del ddp.module.forward
+        ddp.require_backward_grad_sync = True
 
 
 _OUTSIDE_FORWARD = (("_sync_in_backward", {}), ("_manual_optimization", {}),
