@@ -41,8 +41,8 @@ class TorchReducer(_C.Reducer):
     `prepare_for_backward(outputs)` is the C++ one: it arms the reducer so the next
     backward all-reduces every bucket, whatever the last forward was (no_sync included), as
     torch's does; `outputs` only matter with find_unused_parameters (the graph is searched
-    from them; an empty list marks every parameter unused, which torch's reducer rejects
-    too once a hook fires). It returns a note (empty unless an unfinished step was
+    from them; an empty list marks every parameter unused, which both reducers reject
+    at the first gradient). It returns a note (empty unless an unfinished step was
     abandoned) where torch returns None.
     """
 
