@@ -1,5 +1,7 @@
 """pycomm: gradient communication for PyTorch data-parallel training."""
 
+import importlib
+
 import torch  # noqa: F401  (loads libtorch before the extension that links to it)
 
 from . import _C  # noqa: F401  (registers torch.ops.pycomm.*)
@@ -8,9 +10,18 @@ from .clip import clip_grad_norm_
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
 from .ops import sum_squares
+from .patching import Patch, patch
 from .shm import register as _register_shm_backend
 
 _register_shm_backend()
 
-__all__ = ["DDPConfig", "DistributedDataParallel", "__version__", "clip_grad_norm_",
-           "sum_squares"]
+__all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "__version__", "clip_grad_norm_",
+           "patch", "sum_squares"]
+
+_LAZY_SUBMODULES = ("lightning",)  # import their library: only on first use
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

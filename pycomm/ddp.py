@@ -21,13 +21,16 @@ from . import _C, overlap
 from .clip import attach_local_clip
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_args import check_args, config_from_args, find_tensors, gradient_group, resolve_group
+from .ddp_compat import TorchDDPAttributes, TorchReducer
 from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
 from .objects import all_gather_object
 
 
-class DistributedDataParallel(nn.Module, Joinable):
-    """Data parallelism with pycomm's C++ bucketed reducer; torch 2.13's constructor."""
+class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
+    """Data parallelism with pycomm's C++ bucketed reducer; torch 2.13's constructor. An
+    instance of torch's DistributedDataParallel too: See Note [Virtual subclass of torch's
+    DDP] in ddp_compat.py, which also holds torch's attributes that libraries read."""
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=None, init_sync=True, process_group=None,
@@ -149,14 +152,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                       _C.assign_buckets(params, order, self.config.bucket_byte_limits())]
         self._gradient_pg = gradient_group(self.process_group, self.config)
         c = self.config
-        self.reducer = _C.Reducer(params, names, assignment, self._gradient_pg,
-                                  c.gradient_as_bucket_view, c.find_unused_parameters,
-                                  c.static_graph, c.record_timeline, c.timeline_steps,
-                                  c.grad_reduce_dtype,
-                                  skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
-                                  batched_grad_copy=c.batched_grad_copy,
-                                  inline_collectives=c.inline_collectives,
-                                  main_grad_only=c.main_grad_only)
+        self.reducer = TorchReducer(self, params, names, assignment, self._gradient_pg,
+                                    c.gradient_as_bucket_view, c.find_unused_parameters,
+                                    c.static_graph, c.record_timeline, c.timeline_steps,
+                                    c.grad_reduce_dtype,
+                                    skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
+                                    batched_grad_copy=c.batched_grad_copy,
+                                    inline_collectives=c.inline_collectives,
+                                    main_grad_only=c.main_grad_only)
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
         self._local_clip = attach_local_clip(self.reducer, c)

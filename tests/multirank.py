@@ -6,13 +6,15 @@ with a timeout on the group, and calls `fn(rank, world_size, **kwargs)`. The fir
 that fails is reported with its traceback; a rank that exits hard fails the run at once;
 a run that outlives `deadline_s` is killed and reported with the ranks still alive. The
 process group is not destroyed in a `finally`: a healthy rank's "connection closed" would
-then hide the real error of the rank that failed.
+then hide the real error of the rank that failed. `set_launcher_env` gives a rank the
+variables torchrun would, for libraries that read them (tests/test_lightning.py, ...).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import socket
 import tempfile
 import time
 from typing import Any, Callable
@@ -71,3 +73,21 @@ def run_ranks(fn: Callable, world_size: int = 2, backend: str = "gloo", *,
                 if p.is_alive():
                     p.kill()
                     p.join()
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (the OS picks it), for a test to hand its ranks."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_launcher_env(rank: int, world_size: int, port: int) -> None:
+    """The variables torchrun would set, for libraries that read them (Lightning,
+    Accelerate, the HF Trainer) in a rank of run_ranks. The process group already exists
+    (FileStore), and those libraries keep it; MASTER_PORT is a port found free at run
+    time, so that nothing falls back to a fixed default."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS=str(torch.get_num_threads()))

@@ -24,4 +24,5 @@ def test_the_test_extra_installs_the_optional_extras():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
-    assert "pycomm[plot]" in extras["test"] and extras["plot"] == ["matplotlib"]
+    assert "pycomm[plot,integrations]" in extras["test"], extras["test"]
+    assert extras["plot"] == ["matplotlib"]

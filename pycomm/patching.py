@@ -1,0 +1,112 @@
+"""`pycomm.patch()`: torch's DistributedDataParallel (and, optionally, clip_grad_norm_)
+names point at pycomm's, so libraries that construct torch's DDP build pycomm's instead;
+the returned Patch puts torch's back (`undo()`, or leaving a `with` block).
+
+Which names are read when: Accelerate (so the HF Trainer) looks up
+torch.nn.parallel.DistributedDataParallel and torch.nn.utils.clip_grad_norm_ each time it
+wraps a model or clips, so patch() anywhere before `accelerator.prepare(...)` /
+`trainer.train()` is enough. Lightning binds `DistributedDataParallel` when
+lightning.pytorch (or lightning.fabric) is imported: patch() must run before that import,
+else Lightning keeps constructing torch's (patch() warns). pycomm.lightning.DDPStrategy
+needs no patching at all. isinstance checks against torch's class hold either way (See
+Note [Virtual subclass of torch's DDP] in ddp_compat.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+import warnings
+from typing import Any, Optional
+
+import torch
+import torch.nn.parallel
+import torch.nn.parallel.distributed
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+
+from .clip import clip_grad_norm_ as _fused_clip_grad_norm_
+from .ddp import DistributedDataParallel
+from .ddp_compat import TORCH_DDP
+
+TORCH_CLIP_GRAD_NORM_ = torch.nn.utils.clip_grad.clip_grad_norm_
+"""torch's own clip_grad_norm_, whatever pycomm.patch() later binds to its names."""
+
+_DDP_NAMES = ((torch.nn.parallel, "DistributedDataParallel"),
+              (torch.nn.parallel.distributed, "DistributedDataParallel"))
+_CLIP_NAMES = ((torch.nn.utils, "clip_grad_norm_"),
+               (torch.nn.utils.clip_grad, "clip_grad_norm_"))
+# Modules that bind torch's DDP class at their import (`from torch.nn.parallel.distributed
+# import DistributedDataParallel`) and construct it under that name.
+_EARLY_BINDERS = ("lightning.pytorch.strategies.ddp", "lightning.fabric.strategies.ddp",
+                  "pytorch_lightning.strategies.ddp", "lightning_fabric.strategies.ddp")
+
+
+def _fused_handles(grads: list[torch.Tensor], norm_type: float) -> bool:
+    """Whether pycomm's fused clip takes these gradients: dense floating-point tensors (not
+    a subclass such as DTensor) on CPU or CUDA, and an order > 0 (torch also takes 0 and
+    negative orders)."""
+    return norm_type > 0 and all(
+        type(g) is torch.Tensor and g.layout == torch.strided and g.is_floating_point()
+        and g.device.type in ("cpu", "cuda") for g in grads)
+
+
+def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False,
+                    foreach: Optional[bool] = None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ while patched: pycomm's fused clip_grad_norm_, or
+    torch's own for gradients the fused one does not take (see _fused_handles)."""
+    is_generator = isinstance(parameters, types.GeneratorType)
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    clip = (_fused_clip_grad_norm_ if _fused_handles(grads, float(norm_type))
+            else TORCH_CLIP_GRAD_NORM_)
+    # A generator is handed on as one, so that an empty one warns as torch's does.
+    return clip((p for p in params) if is_generator else params, max_norm, norm_type,
+                error_if_nonfinite, foreach)
+
+
+class Patch:
+    """What one patch() replaced. undo() (or the end of a `with` block) puts back what was
+    there before it; nested patches undo in reverse order."""
+
+    def __init__(self, replaced: list[tuple[types.ModuleType, str, Any]]):
+        self._replaced = replaced
+
+    def undo(self) -> None:
+        for module, name, old in reversed(self._replaced):
+            setattr(module, name, old)
+        self._replaced = []
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.undo()
+
+
+def _warn_early_binders() -> None:
+    early = [name for name in _EARLY_BINDERS
+             if getattr(sys.modules.get(name), "DistributedDataParallel", None) is TORCH_DDP]
+    if early:
+        warnings.warn(f"pycomm.patch(): imported before it, {', '.join(early)} bound torch's "
+                      f"DistributedDataParallel and will keep constructing it; call "
+                      f"pycomm.patch() before importing Lightning, or use "
+                      f"Trainer(strategy=pycomm.lightning.DDPStrategy(...))", stacklevel=3)
+
+
+def patch(clip_grad_norm: bool = True) -> Patch:
+    """Point torch.nn.parallel(.distributed).DistributedDataParallel at pycomm's class and,
+    with clip_grad_norm, torch.nn.utils(.clip_grad).clip_grad_norm_ at pycomm's fused clip
+    (torch's still serves DTensor, sparse and other gradients it does not take). Returns a
+    Patch: `p.undo()`, or `with pycomm.patch(): ...`. torch's originals stay reachable as
+    pycomm.patching.TORCH_DDP and TORCH_CLIP_GRAD_NORM_."""
+    names = [(m, n, DistributedDataParallel) for m, n in _DDP_NAMES]
+    if clip_grad_norm:
+        names += [(m, n, clip_grad_norm_) for m, n in _CLIP_NAMES]
+    replaced = []
+    for module, name, new in names:
+        replaced.append((module, name, getattr(module, name)))
+        setattr(module, name, new)
+    _warn_early_binders()
+    return Patch(replaced)
