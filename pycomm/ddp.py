@@ -179,7 +179,6 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     # ---- forward ---------------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         notify_join(self)
         if torch.is_grad_enabled():
             self._rebuild_buckets_if_due()
@@ -193,9 +192,11 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, target, False)
             inputs, kwargs = moved[0], moved_kwargs[0]
         output = self.module(*inputs, **kwargs)
-        # torch's _post_forward: buffers are synchronized before the next forward only if
-        # this one was a synchronizing one (so not after a no_sync micro-batch or a
-        # torch.no_grad() forward in train mode).
+        # torch's _post_forward, read after the module ran (Lightning's manual optimization
+        # toggles require_backward_grad_sync inside it). Buffers are synchronized before the
+        # next forward only if this one was a synchronizing one (so not after a no_sync
+        # micro-batch or a torch.no_grad() forward in train mode).
+        grad_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = grad_sync
         if grad_sync:
             note = self.reducer.prepare_for_backward(find_tensors(output))
