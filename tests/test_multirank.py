@@ -36,13 +36,25 @@ def test_cpp_allreduce_unknown_op_names_it():
         run_ranks(_unknown_op, world_size=2)
 
 
+def _noop(rank, world_size):
+    pass
+
+
+@pytest.fixture(scope="module")
+def warm_launcher():
+    """Start the launcher's forkserver, which imports torch and pycomm (about 13 s on a busy
+    machine), before the tests that time how soon a failed run ends: they bound the
+    launcher's reaction, not that import."""
+    run_ranks(_noop, world_size=2)
+
+
 def _rank1_raises(rank, world_size):
     if rank == 1:
         raise ValueError("rank one is unhappy")
     dist.barrier()
 
 
-def test_raising_rank_reports_its_traceback():
+def test_raising_rank_reports_its_traceback(warm_launcher):
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"(?s)rank 1 raised.*ValueError: rank one is unhappy"):
         run_ranks(_rank1_raises, world_size=2, group_timeout_s=30)
@@ -55,7 +67,7 @@ def _rank0_exits_hard(rank, world_size):
     dist.barrier()
 
 
-def test_hard_exit_fails_fast():
+def test_hard_exit_fails_fast(warm_launcher):
     start = time.monotonic()
     with pytest.raises(RankFailed, match="rank 0 exited with code 7"):
         run_ranks(_rank0_exits_hard, world_size=2, group_timeout_s=30)
@@ -66,7 +78,7 @@ def _sleeps(rank, world_size):
     time.sleep(60)
 
 
-def test_deadline_kills_a_stuck_run():
+def test_deadline_kills_a_stuck_run(warm_launcher):
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"still running after 3 s"):
         run_ranks(_sleeps, world_size=2, deadline_s=3)

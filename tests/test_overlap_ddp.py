@@ -1,6 +1,8 @@
 """The overlap report, trace and sweep on pycomm's real reducer, 2 Gloo ranks."""
 
+import functools
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -14,33 +16,65 @@ from multirank import run_ranks
 from pycomm.overlap import StepReport
 
 SLEEP_S = 0.25
+# How long the slow layer waits at most for the big bucket's collective: only reached when
+# that collective cannot complete during backward (it takes 15 ms on an idle machine and
+# about 100 ms on a loaded one).
+WAIT_BOUND_S = 30.0
 
 
 class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward sleeps: compute that leaves the cores free, so a collective
-    launched before it has the machine to itself."""
+    """Identity whose backward runs `hold()`: compute that leaves the cores free, so a
+    collective launched before it has the machine to itself."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, hold):
+        ctx.hold = hold
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(SLEEP_S)
-        return grad
+        ctx.hold()
+        return grad, None
 
 
 class _SlowFirstLayer(nn.Module):
     """Backward computes the big last layer first (its buckets launch), then the slow first
     layer: the communication hides behind it."""
 
-    def __init__(self):
+    def __init__(self, hold):
         super().__init__()
         self.first = nn.Linear(16, 64)
         self.last = nn.Linear(64, 1 << 16)  # 4M parameters, 16 MiB of gradient
+        self.hold = hold
 
     def forward(self, x):
-        return self.last(_SlowBackward.apply(self.first(x)))
+        return self.last(_SlowBackward.apply(self.first(x), self.hold))
+
+
+class _UntilBucketDone:
+    """The slow layer's compute, as long as the communication it hides: in step k it lasts
+    until bucket `index`'s collective has completed k times (its post_done callback runs
+    after the reducer recorded done_ns), WAIT_BOUND_S at most. So the bucket is done before
+    the slow layer's gradient is ready however far the other rank lags or the machine is
+    loaded, provided the reducer launched it during backward and it progresses while
+    backward computes; if not, the wait runs out and is counted."""
+
+    def __init__(self, ddp, index):
+        self.index, self.steps, self.completed, self.timeouts = index, 0, 0, 0
+        self.cond = threading.Condition()
+        ddp.reducer.add_post_done(self._on_done)
+
+    def _on_done(self, index, buffer):
+        if index == self.index:
+            with self.cond:
+                self.completed += 1
+                self.cond.notify_all()
+
+    def __call__(self):
+        with self.cond:
+            self.steps += 1
+            if not self.cond.wait_for(lambda: self.completed >= self.steps, WAIT_BOUND_S):
+                self.timeouts += 1
 
 
 def _train(ddp, steps, batch=4, features=16):
@@ -65,24 +99,34 @@ def _grad_bytes(module):
 
 
 def _overlap_extremes(rank, world_size):
+    # Orderings the reducer controls, not shares of wall-clock time: how long a collective
+    # takes, and how far the other rank lags, move with the machine's load.
     torch.manual_seed(0)
-    hidden = pycomm.DistributedDataParallel(_SlowFirstLayer(), bucket_cap_mb=1)
+    hidden = pycomm.DistributedDataParallel(_SlowFirstLayer(hold=None), bucket_cap_mb=1)
+    slow = hidden.module.hold = _UntilBucketDone(hidden, index=0)
     _train(hidden, 3)
     r = hidden.last_step_report()
     _check_invariants(r, _grad_bytes(hidden.module))
-    # The 16 MiB of the last layer (about 15 ms on an idle machine, 100 ms on a loaded one)
-    # travel during the 250 ms sleep; only the first layer's 4 KiB bucket, launched after
-    # it, is exposed: Gloo's latency plus however far the other rank lags.
     big, small = r.buckets
-    assert big.nbytes > 1 << 24 and big.exposed_s == 0 and big.done_s < r.compute_s, r
-    assert r.exposed_comm_s == small.exposed_s, r
-    assert r.overlap > 0.5, r
-    one_bucket = pycomm.DistributedDataParallel(_SlowFirstLayer(), bucket_cap_mb=1024)
+    assert big.nbytes > 1 << 24 and set(small.params) == {"first.weight", "first.bias"}, r
+    # The last layer's bucket launched as its gradients landed, before the slow layer's
+    # gradient (the step's last) was ready, and completed while that layer computed, on
+    # every step: its communication is hidden whole.
+    assert slow.timeouts == 0, f"bucket 0 was not done during backward in {slow.timeouts} steps"
+    assert big.launch_s < small.ready_s == r.compute_s, r
+    assert big.done_s < r.compute_s and big.exposed_s == 0, r
+    # Only the first layer's bucket, launched after the last gradient, is exposed.
+    assert small.launch_s >= r.compute_s and small.exposed_s == small.comm_s > 0, r
+    assert r.exposed_comm_s == small.exposed_s and 0 < r.overlap < 1, r
+    one_bucket = pycomm.DistributedDataParallel(
+        _SlowFirstLayer(hold=functools.partial(time.sleep, SLEEP_S)), bucket_cap_mb=1024)
     _train(one_bucket, 3)
     r = one_bucket.last_step_report()
     _check_invariants(r, _grad_bytes(one_bucket.module))
     assert len(r.buckets) == 1
-    # The single bucket completes with the last gradient: nothing can hide.
+    # The single bucket completes with the last gradient, after the slow layer: it launches
+    # only then, and nothing can hide.
+    assert r.buckets[0].launch_s >= r.compute_s, r
     assert r.comm_s > 0 and r.exposed_comm_s == r.comm_s and r.overlap == 0, r
 
 
