@@ -210,14 +210,17 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
 
     def _rebuild_buckets_if_due(self) -> bool:
         """Once, after the first synchronized step: buckets re-cut in rank 0's observed
-        gradient-ready order (broadcast, so every rank gets the same layout)."""
+        gradient-ready order, a burst of gradients from one autograd node split across
+        buckets only where each part fills one (See Note [Gradient groups] in
+        csrc/reducer/groups.cpp); broadcast, so every rank gets the same layout."""
         if not self.reducer.should_rebuild_buckets():
             return False
-        order = torch.tensor(self.reducer.ready_order(), dtype=torch.int64, device=self.device)
-        dist.broadcast(order, dist.get_global_rank(self._gradient_pg, 0), group=self._gradient_pg)
+        seen = torch.tensor([self.reducer.ready_order(), self.reducer.ready_groups()],
+                            dtype=torch.int64, device=self.device)
+        dist.broadcast(seen, dist.get_global_rank(self._gradient_pg, 0), group=self._gradient_pg)
+        order, groups = seen.cpu().tolist()
         params = [p for _, p in self._named_params]
-        assignment = _C.assign_buckets(params, order.cpu().tolist(),
-                                       self.config.bucket_byte_limits())
+        assignment = _C.assign_buckets(params, order, self.config.bucket_byte_limits(), groups)
         self.reducer.rebuild_buckets(assignment)
         self._set_main_grads()
         return True

@@ -188,6 +188,7 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
   } else if (options_.find_unused_parameters && !options_.static_graph) {
     find_unused(outputs);
   }
+  if (record_order_ && !rebuilt_) note_groups(outputs);
   std::weak_ptr<Reducer*> weak = self_;
   for (const auto& out : outputs) {
     if (out.defined() && out.grad_fn()) {
