@@ -2,7 +2,8 @@
 torch 2.13's DistributedDataParallel. Owns construction checks, the per-forward protocol
 (bucket rebuild, buffer sync, arming the reducer), no_sync, comm hooks and pickling. The
 hot path (hooks, bucket copy, collectives, finalize) is csrc/reducer/; uneven inputs are
-ddp_join.py's; argument wiring is ddp_args.py's."""
+ddp_join.py's; argument wiring is ddp_args.py's; what torch.compile sees of the forward is
+ddp_compile.py's."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .clip import attach_local_clip
 from .config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .ddp_args import check_args, config_from_args, find_tensors, gradient_group, resolve_group
 from .ddp_compat import TorchDDPAttributes, TorchReducer
+from .ddp_compile import call_module, mark_skipped_frames, skipped_frame, warn_if_python_reducer
 from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
 from .objects import all_gather_object
@@ -57,6 +59,8 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._join_divide_by_initial_world_size = True
+        self._split_refused = False  # See Note [Refused split] in ddp_compile.py
+        warn_if_python_reducer()
         self._named_params = self._trainable_params()
         self._check_devices(device_ids, output_device)
         self._delayed_spec = None if delay_all_reduce_named_params is None else (
@@ -178,7 +182,19 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
 
     # ---- forward ---------------------------------------------------------------------
 
+    # Under torch.compile only the wrapped module's call is traced: dynamo skips this frame
+    # (not what it calls: See Note [Frames dynamo sees] in ddp_compile.py) and never
+    # enters the pre/post work, whose reducer and collective calls would each break the
+    # graph and whose state (no_sync, the step) would become guards.
+    @skipped_frame
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        output = call_module(self, inputs, kwargs)
+        return self._post_forward(output)
+
+    @torch._disable_dynamo
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        mark_skipped_frames()
         notify_join(self)
         if torch.is_grad_enabled():
             self._rebuild_buckets_if_due()
@@ -191,7 +207,10 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             target = torch.device(self.device.type, self.device_ids[0])
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, target, False)
             inputs, kwargs = moved[0], moved_kwargs[0]
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs
+
+    @torch._disable_dynamo
+    def _post_forward(self, output: Any) -> Any:
         # torch's _post_forward, read after the module ran (Lightning's manual optimization
         # toggles require_backward_grad_sync inside it). Buffers are synchronized before the
         # next forward only if this one was a synchronizing one (so not after a no_sync
@@ -210,14 +229,17 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
 
     def _rebuild_buckets_if_due(self) -> bool:
         """Once, after the first synchronized step: buckets re-cut in rank 0's observed
-        gradient-ready order (broadcast, so every rank gets the same layout)."""
+        gradient-ready order, a burst of gradients from one autograd node split across
+        buckets only where each part fills one (See Note [Gradient groups] in
+        csrc/reducer/groups.cpp); broadcast, so every rank gets the same layout."""
         if not self.reducer.should_rebuild_buckets():
             return False
-        order = torch.tensor(self.reducer.ready_order(), dtype=torch.int64, device=self.device)
-        dist.broadcast(order, dist.get_global_rank(self._gradient_pg, 0), group=self._gradient_pg)
+        seen = torch.tensor([self.reducer.ready_order(), self.reducer.ready_groups()],
+                            dtype=torch.int64, device=self.device)
+        dist.broadcast(seen, dist.get_global_rank(self._gradient_pg, 0), group=self._gradient_pg)
+        order, groups = seen.cpu().tolist()
         params = [p for _, p in self._named_params]
-        assignment = _C.assign_buckets(params, order.cpu().tolist(),
-                                       self.config.bucket_byte_limits())
+        assignment = _C.assign_buckets(params, order, self.config.bucket_byte_limits(), groups)
         self.reducer.rebuild_buckets(assignment)
         self._set_main_grads()
         return True
@@ -358,6 +380,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
 
     def __setstate__(self, state: dict) -> None:
         self.process_group = dist.distributed_c10d._get_default_group()
+        state.setdefault("_split_refused", False)  # pickled by a pycomm without it
         super().__setstate__(state)
         # The delayed all-reduce's hook and buffer are not picklable: rebuilt from the
         # pickled (names, parameters, hook parameter), the same objects as the module's.

@@ -75,7 +75,9 @@ class TorchDDPAttributes:
     of torch's DDP]). Reads come from the config and the reducer, never from a second copy."""
 
     _active_ddp_module = None
-    """torch's class attribute of the same name (replicate() sets it for torch.compile)."""
+    """torch's class attribute of the same name (replicate() sets it for torch.compile).
+    pycomm's forward sets torch's own (See Note [Graph split at pycomm's buckets] in
+    ddp_compile.py), which _get_active_ddp_module answers with."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -85,7 +87,7 @@ class TorchDDPAttributes:
     def _get_active_ddp_module(cls) -> Any:
         """torch's classmethod, which torch._dynamo calls on whatever class
         torch.nn.parallel.distributed.DistributedDataParallel names when it is imported,
-        possibly this one after pycomm.patch()."""
+        possibly this one after pycomm.patch(): either class answers alike."""
         return cls._active_ddp_module or TORCH_DDP._get_active_ddp_module()
 
     @property

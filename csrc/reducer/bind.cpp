@@ -88,8 +88,9 @@ using ReducerHolder = std::unique_ptr<Reducer, ReleaseGilDelete>;
 
 void bind_reducer(py::module& m) {
   m.def("assign_buckets", &reducer::assign_buckets, py::arg("params"), py::arg("order"),
-        py::arg("byte_limits"),
-        "Greedy bucket assignment of params (in `order`) per (device, dtype); see bucket.h.");
+        py::arg("byte_limits"), py::arg("groups") = std::vector<int64_t>{},
+        "Greedy bucket assignment of params (in `order`) per (device, dtype), keeping "
+        "gradient groups whole; see bucket.h.");
   py::class_<Reducer, ReducerHolder>(m, "Reducer",
                                      "pycomm's C++ bucketed gradient reducer (see reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -125,6 +126,7 @@ void bind_reducer(py::module& m) {
            py::arg("global_used") = std::nullopt)
       .def("tracks_usage", &Reducer::tracks_usage)
       .def("ready_order", &Reducer::ready_order)
+      .def("ready_groups", &Reducer::ready_groups)
       .def("bucket_indices", &bucket_indices)
       .def("grad_view", &Reducer::grad_view, py::arg("index"))
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"))

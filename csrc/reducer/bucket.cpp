@@ -23,27 +23,56 @@ struct OpenBucket {
   size_t limit_index = 0;
 };
 
+int64_t bytes_of(const at::Tensor& p) {
+  return p.numel() * static_cast<int64_t>(p.element_size());
+}
+
+// Per position of `order`: the bytes of its parameter's group (and key) that come after it.
+std::vector<int64_t> group_bytes_after(const std::vector<at::Tensor>& params,
+                                       const std::vector<size_t>& order,
+                                       const std::vector<int64_t>& groups) {
+  std::vector<int64_t> after(order.size(), 0);
+  if (groups.empty()) return after;
+  std::map<std::pair<int64_t, Key>, int64_t> tail;
+  for (size_t pos = order.size(); pos-- > 0;) {
+    const at::Tensor& p = params[order[pos]];
+    int64_t& rest = tail[{groups[order[pos]], key_of(p)}];
+    after[pos] = rest;
+    rest += bytes_of(p);
+  }
+  return after;
+}
+
 }  // namespace
 
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                 const std::vector<size_t>& order,
-                                                const std::vector<int64_t>& byte_limits) {
+                                                const std::vector<int64_t>& byte_limits,
+                                                const std::vector<int64_t>& groups) {
   TORCH_CHECK_VALUE(!byte_limits.empty(), "assign_buckets: byte_limits is empty");
   TORCH_CHECK_VALUE(order.size() == params.size(), "assign_buckets: order has ", order.size(),
                     " entries for ", params.size(), " parameters");
+  TORCH_CHECK_VALUE(groups.empty() || groups.size() == params.size(), "assign_buckets: ",
+                    groups.size(), " groups for ", params.size(), " parameters");
   std::vector<bool> seen(params.size(), false);
-  std::map<Key, OpenBucket> open;
-  std::vector<std::vector<size_t>> result;
   for (size_t index : order) {
     TORCH_CHECK_VALUE(index < params.size() && !seen[index],
                       "assign_buckets: order is not a permutation (index ", index, ")");
     seen[index] = true;
+  }
+  const std::vector<int64_t> after = group_bytes_after(params, order, groups);
+  auto limit_at = [&](size_t k) { return byte_limits[std::min(k, byte_limits.size() - 1)]; };
+  std::map<Key, OpenBucket> open;
+  std::vector<std::vector<size_t>> result;
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    const size_t index = order[pos];
     const at::Tensor& p = params[index];
     OpenBucket& b = open[key_of(p)];
     b.params.push_back(index);
-    b.bytes += p.numel() * static_cast<int64_t>(p.element_size());
-    const int64_t limit = byte_limits[std::min(b.limit_index, byte_limits.size() - 1)];
-    if (b.bytes >= limit) {
+    b.bytes += bytes_of(p);
+    // Inside a group, close only if the rest of the group fills the next bucket by itself.
+    const bool may_close = after[pos] == 0 || after[pos] >= limit_at(b.limit_index + 1);
+    if (b.bytes >= limit_at(b.limit_index) && may_close) {
       result.push_back(std::move(b.params));
       b = OpenBucket{{}, 0, b.limit_index + 1};
     }

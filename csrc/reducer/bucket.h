@@ -50,9 +50,15 @@ struct Bucket {
 // (device, dtype): a bucket closes once it holds at least its byte limit. The k-th bucket
 // of a key uses byte_limits[k] (the last limit repeats). Buckets are returned in the order
 // their first parameter appears in `order`, which is the launch order.
+//
+// `groups` (per parameter; empty: each parameter alone) names gradient groups, parameters
+// whose gradients become ready together (See Note [Gradient groups] in groups.cpp): a
+// bucket closes inside a group only if the rest of the group still fills the next bucket,
+// so every group ends a bucket unless the bucket is still under its limit there.
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
                                                 const std::vector<size_t>& order,
-                                                const std::vector<int64_t>& byte_limits);
+                                                const std::vector<int64_t>& byte_limits,
+                                                const std::vector<int64_t>& groups = {});
 
 // Allocate the buffers of `assignment`. A bucket's dtype is the parameters' dtype, or
 // `reduce_dtype` when given (fp32 reduction of low-precision parameters).

@@ -9,6 +9,25 @@ namespace pycomm::reducer {
 
 namespace {
 
+// Note [Compiled autograd]
+// Compiled autograd (torch._dynamo.config.compiled_autograd=True, and torch's
+// optimize_ddp="python_reducer" mode, which needs it) replaces the autograd engine's run of
+// backward with a graph it traces, into which only Python hooks can be traced. The
+// reducer's hooks are C++: left out of that graph, the step's gradients would stay
+// unreduced on every rank, silently. Compiled autograd asks every node and hook for its
+// compiled form (compiled_args) before it runs anything; the reducer's hooks answer with
+// this error, so such a backward raises before a single gradient is computed.
+[[noreturn]] void refuse_compiled_autograd() {
+  TORCH_CHECK(false,
+              "pycomm DDP cannot reduce gradients under compiled autograd "
+              "(torch._dynamo.config.compiled_autograd=True, or "
+              "torch._dynamo.config.optimize_ddp=\"python_reducer\", which needs it): its "
+              "reducer runs from the autograd engine's gradient hooks, which compiled autograd "
+              "does not run, so the step would be left unreduced. Run this backward with "
+              "compiled autograd off: torch.compile(ddp) still compiles forward and backward, "
+              "split at pycomm's buckets (optimize_ddp=\"ddp_optimizer\", the default).");
+}
+
 // Fires on the first output node backward reaches: stamps the start of backward. The
 // step itself begins at the first parameter hook, so a backward that reaches no
 // parameter (torch.autograd.grad w.r.t. inputs) leaves the step armed, as torch does.
@@ -18,6 +37,9 @@ class BackwardStartHook final : public torch::autograd::FunctionPreHook {
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
     if (auto reducer = reducer_.lock()) (*reducer)->on_backward_start();
     return grads;
+  }
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {
+    refuse_compiled_autograd();  // See Note [Compiled autograd]
   }
 
  private:
@@ -72,6 +94,9 @@ void Reducer::install_hooks() {
                           const torch::autograd::variable_list& /*inputs*/) {
               if (auto reducer = weak.lock()) (*reducer)->autograd_hook(index);
               return outputs;
+            },
+            [](torch::dynamo::autograd::CompiledNodeArgs& /*args*/) {
+              refuse_compiled_autograd();  // See Note [Compiled autograd]
             })));
     accumulators_.push_back(std::move(accumulator));
   }
@@ -163,6 +188,7 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
   } else if (options_.find_unused_parameters && !options_.static_graph) {
     find_unused(outputs);
   }
+  if (record_order_ && !rebuilt_) note_groups(outputs);
   std::weak_ptr<Reducer*> weak = self_;
   for (const auto& out : outputs) {
     if (out.defined() && out.grad_fn()) {

@@ -93,6 +93,9 @@ class Reducer {
   // Parameter indices in the order their grads became ready in the recorded step,
   // completed with the never-ready ones (reverse index order) so every rank has them all.
   std::vector<size_t> ready_order() const;
+  // Per parameter, the gradient group it was in during the recorded step (See Note
+  // [Gradient groups] in groups.cpp): equal ids were produced by one autograd node.
+  std::vector<int64_t> ready_groups() const;
 
   void set_comm_hook(std::unique_ptr<CommHook> hook);
   bool has_python_comm_hook() const { return python_hook_; }
@@ -138,6 +141,7 @@ class Reducer {
   void push_timeline(int64_t finalize_start_ns);
   bool globally_unused(size_t index) const;
   void find_unused(const std::vector<at::Tensor>& outputs);
+  void note_groups(const std::vector<at::Tensor>& outputs);  // groups.cpp
   void queue_finalize();
   // static_graph (See Note [Static graph hook counts]).
   bool counting_hooks() const { return options_.static_graph && track_used_; }
@@ -200,6 +204,7 @@ class Reducer {
   bool rebuilt_ = false;
   bool record_order_ = true;
   std::vector<size_t> order_;
+  std::vector<int64_t> groups_;        // of the recorded step; empty: each parameter alone
 
   int64_t backward_start_ns_ = -1;
   std::vector<int64_t> ready_ns_;

@@ -8,7 +8,12 @@ Models (each ~25M parameters; the work per rank per step is printed with the fig
   transformer_b1  the same model with 1 x 64 = 64 tokens per rank, the small per-rank batch
                   of data-parallel training where gradient communication matters
 Process CPU time per step (all threads, slowest rank) is reported beside wall time: on a
-machine whose cores all compute, CPU spent moving bytes lengthens the step one for one."""
+machine whose cores all compute, CPU spent moving bytes lengthens the step one for one.
+
+--compile times each implementation under torch.compile(ddp) ("torch+compile",
+"pycomm+compile"), and pycomm in eager mode beside them: the overlap column (pycomm's
+step reports, the least overlapped rank) then shows what compilation keeps of eager
+overlap. Compilation and the first steps' recompilations happen in the untimed warm-up."""
 
 from __future__ import annotations
 
@@ -42,6 +47,7 @@ IMPLS = {
                                                                    **kw)),
 }
 DEFAULT_IMPLS = ("torch", "pycomm")
+COMPILED = "+compile"  # suffix of an implementation run under torch.compile(ddp)
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,16 @@ class Config:
     reps: int = 5
     steps: int = 4
     threads: int = 1
+    compile: bool = False
+    compile_backend: str = "inductor"
+
+    def variants(self) -> tuple[str, ...]:
+        """The implementations timed: each of `impls`, or with `compile` each compiled and
+        pycomm in eager mode too (the reference of its overlap)."""
+        if not self.compile:
+            return self.impls
+        eager = ("pycomm",) if "pycomm" in self.impls else ()
+        return tuple(i + COMPILED for i in self.impls) + eager
 
 
 @dataclass(frozen=True)
@@ -67,16 +83,30 @@ class Result:
     exposed_ms: float       # step_ms - no_sync_step_ms
     cpu_ms: float           # median process CPU time (all threads) of a step, slowest rank
     no_sync_cpu_ms: float   # the same inside no_sync(): cpu_ms - this = communication's CPU
+    overlap: float          # pycomm: median of the least overlapped rank's step; torch: nan
+
+
+class _Model(nn.Module):
+    """A benchmark network behind a forward of its own, as a user's model is: dynamo
+    compiles a DDP-wrapped module's forward through torch's DDP only when that forward is
+    not torch's own code (nn.Sequential's, nn.TransformerEncoder's)."""
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
 
 def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     if name == "mlp":  # 6 x (2048 x 2048) ~ 25.2M parameters
         layers = [m for _ in range(6) for m in (nn.Linear(2048, 2048), nn.ReLU())]
-        return nn.Sequential(*layers), torch.randn(32, 2048)
+        return _Model(nn.Sequential(*layers)), torch.randn(32, 2048)
     if name in _TRANSFORMER_BATCH:  # 8 encoder layers, d_model 512, ff 2048 ~ 25.2M params
         layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
-        return (nn.TransformerEncoder(layer, 8, enable_nested_tensor=False),
+        return (_Model(nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)),
                 torch.randn(_TRANSFORMER_BATCH[name], _SEQ, 512))
     raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
 
@@ -87,12 +117,21 @@ def _per_rank(name: str, x: torch.Tensor) -> str:
     return f"{x.shape[0]}x{x.shape[1]}={x.shape[0] * x.shape[1]} tokens"
 
 
-def _step(ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[float, ...]:
+def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.Module]:
+    """(what a step calls, the DDP module) of one implementation."""
+    impl = variant.removesuffix(COMPILED)
+    ddp = IMPLS[impl](copy.deepcopy(module), bucket_cap_mb=cfg.bucket_cap_mb)
+    if variant.endswith(COMPILED):
+        return torch.compile(ddp, backend=cfg.compile_backend), ddp
+    return ddp, ddp
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[float, ...]:
     """(wall, backward wall, process CPU) seconds of one training step."""
     cpu = time.process_time()
     start = time.perf_counter()
     opt.zero_grad()
-    loss = ddp(x).float().square().mean()
+    loss = model(x).float().square().mean()
     bwd = time.perf_counter()
     loss.backward()
     bwd_end = time.perf_counter()
@@ -100,16 +139,25 @@ def _step(ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[
     return time.perf_counter() - start, bwd_end - bwd, time.process_time() - cpu
 
 
-def _timed(ddp, opt, x, steps: int, no_sync: bool) -> list[tuple[float, ...]]:
+def _timed(model, ddp, opt, x, steps: int, no_sync: bool) -> list[tuple[float, ...]]:
     out = []
     for _ in range(steps):
         dist.barrier()
         if no_sync:
             with ddp.no_sync():
-                out.append(_step(ddp, opt, x))
+                out.append(_step(model, opt, x))
         else:
-            out.append(_step(ddp, opt, x))
+            out.append(_step(model, opt, x))
     return out
+
+
+def _overlaps(ddp: nn.Module, steps: int) -> list[float]:
+    """pycomm's overlap of the last `steps` synchronized steps, the least of the ranks'."""
+    if not isinstance(ddp, PycommDDP):
+        return [float("nan")] * steps
+    t = torch.tensor([r.overlap for r in ddp.step_reports(steps)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()
 
 
 def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
@@ -120,29 +168,38 @@ def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
 
 def run_model(cfg: Config, name: str) -> list[Result]:
     module, x = _model(name)
+    variants = cfg.variants()
     runs = {}
-    for impl in cfg.impls:
-        ddp = IMPLS[impl](copy.deepcopy(module), bucket_cap_mb=cfg.bucket_cap_mb)
+    for variant in variants:
+        model, ddp = _build(variant, module, cfg)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
         for _ in range(cfg.warmup):
-            _step(ddp, opt, x)
-        runs[impl] = (ddp, opt, {False: [], True: []})
+            _step(model, opt, x)
+        _timed(model, ddp, opt, x, 1, no_sync=True)  # a compiled no_sync step may recompile
+        runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": []})
     for rep in range(cfg.reps):  # interleaved, alternating who goes first
-        order = list(cfg.impls) if rep % 2 == 0 else list(reversed(cfg.impls))
-        for impl in order:
-            ddp, opt, samples = runs[impl]
+        order = list(variants) if rep % 2 == 0 else list(reversed(variants))
+        for variant in order:
+            model, ddp, opt, samples = runs[variant]
             for no_sync in (False, True):
-                samples[no_sync] += _rank_max(_timed(ddp, opt, x, cfg.steps, no_sync))
+                samples[no_sync] += _rank_max(_timed(model, ddp, opt, x, cfg.steps, no_sync))
+                if not no_sync:
+                    samples["overlap"] += _overlaps(ddp, cfg.steps)
     params = sum(p.numel() for p in module.parameters())
     results = []
-    for impl, (_, _, samples) in runs.items():
+    for variant, (_, _, _, samples) in runs.items():
         step, bwd, cpu = (statistics.median(s[i] for s in samples[False]) * 1e3
                           for i in range(3))
         quiet, _, quiet_cpu = (statistics.median(s[i] for s in samples[True]) * 1e3
                                for i in range(3))
-        results.append(Result(name, params, _per_rank(name, x), impl, step, bwd, quiet,
-                              step - quiet, cpu, quiet_cpu))
+        results.append(Result(name, params, _per_rank(name, x), variant, step, bwd, quiet,
+                              step - quiet, cpu, quiet_cpu, _median(samples["overlap"])))
     return results
+
+
+def _median(values: list[float]) -> float:
+    known = [v for v in values if v == v]
+    return statistics.median(known) if known else float("nan")
 
 
 def run(cfg: Config) -> list[Result]:
@@ -150,28 +207,43 @@ def run(cfg: Config) -> list[Result]:
 
 
 def format_results(cfg: Config, results: list[Result]) -> str:
+    compiled = {"compile": cfg.compile_backend} if cfg.compile else {}
     lines = [common.header("ddp step time (ms), medians of per-step max over ranks",
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
-                           warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps),
-             f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>13} {'step':>7} "
-             f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7}"]
+                           warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **compiled),
+             f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>14} {'step':>7} "
+             f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7} "
+             f"{'overlap':>7}"]
     for r in results:
-        lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>13} "
+        lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>14} "
                      f"{r.step_ms:>7.1f} {r.backward_ms:>8.1f} {r.no_sync_step_ms:>7.1f} "
-                     f"{r.exposed_ms:>7.1f} {r.cpu_ms:>7.1f} {r.no_sync_cpu_ms:>7.1f}")
-    lines.append("# cpu: process CPU ms per step (all threads); cpu_ns: the same in no_sync")
+                     f"{r.exposed_ms:>7.1f} {r.cpu_ms:>7.1f} {r.no_sync_cpu_ms:>7.1f} "
+                     f"{r.overlap:>7.2f}")
+    lines.append("# cpu: process CPU ms per step (all threads); cpu_ns: the same in no_sync; "
+                 "overlap: pycomm's, median step of the least overlapped rank")
     for name in dict.fromkeys(r.model for r in results):
         rows = {r.impl: r for r in results if r.model == name}
-        t = rows.get("torch")
-        for impl, p in rows.items():
-            if t is None or p is t:
-                continue
-            exposed = p.exposed_ms / t.exposed_ms if t.exposed_ms > 0 else float("nan")
-            lines.append(f"# {name}: {impl}/torch step {p.step_ms / t.step_ms:.3f}, backward "
-                         f"{p.backward_ms / t.backward_ms:.3f}, exposed {exposed:.3f}, "
-                         f"communication CPU {p.cpu_ms - p.no_sync_cpu_ms:.1f} ms vs "
-                         f"{t.cpu_ms - t.no_sync_cpu_ms:.1f} ms")
+        lines += _comparisons(name, rows)
     return "\n".join(lines)
+
+
+def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
+    """Each row against torch's of the same mode; compiled pycomm's overlap against eager."""
+    lines = []
+    for impl, p in rows.items():
+        t = rows.get("torch" + COMPILED if impl.endswith(COMPILED) else "torch")
+        if t is None or p is t:
+            continue
+        exposed = p.exposed_ms / t.exposed_ms if t.exposed_ms > 0 else float("nan")
+        lines.append(f"# {name}: {impl}/{t.impl} step {p.step_ms / t.step_ms:.3f}, backward "
+                     f"{p.backward_ms / t.backward_ms:.3f}, exposed {exposed:.3f}, "
+                     f"communication CPU {p.cpu_ms - p.no_sync_cpu_ms:.1f} ms vs "
+                     f"{t.cpu_ms - t.no_sync_cpu_ms:.1f} ms")
+    eager, compiled = rows.get("pycomm"), rows.get("pycomm" + COMPILED)
+    if eager is not None and compiled is not None:
+        lines.append(f"# {name}: pycomm overlap compiled {compiled.overlap:.2f} vs eager "
+                     f"{eager.overlap:.2f} ({compiled.overlap - eager.overlap:+.2f})")
+    return lines
 
 
 def _body(cfg: Config) -> tuple[str, list[Result]]:
@@ -190,6 +262,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=Config.steps, help="timed steps per rep")
     p.add_argument("--warmup", type=int, default=Config.warmup)
     p.add_argument("--threads", type=int, default=Config.threads, help="compute threads/rank")
+    p.add_argument("--compile", action="store_true",
+                   help="time torch.compile(ddp) of each implementation, and pycomm eager")
+    p.add_argument("--compile-backend", default=Config.compile_backend,
+                   help="torch.compile backend with --compile (default inductor; aot_eager "
+                        "skips code generation)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     bucket_sweep.add_arguments(p)
 
@@ -202,7 +279,7 @@ def main(ns: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--impls: unknown {unknown}; expected some of {tuple(IMPLS)}")
     cfg = Config(tuple(ns.models.split(",")), impls, ns.bucket_cap_mb, ns.warmup, ns.reps,
-                 ns.steps, ns.threads)
+                 ns.steps, ns.threads, ns.compile, ns.compile_backend)
     backend = ns.backend or common.default_backend(ns.nproc)
     text, results = common.launch(_body, cfg, ns.nproc, backend, timeout_s=3600.0,
                                   threads=cfg.threads)
