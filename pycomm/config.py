@@ -93,6 +93,15 @@ class DDPConfig:
     for the gradient collectives only; the process group itself stays untouched for
     everything else. False keeps every gradient collective on the process group."""
 
+    hierarchical_allreduce: bool = True
+    """When the Gloo process group spans several hosts, each holding the same number of
+    ranks (more than one): reduce gradients hierarchically through a "pycomm" group over
+    the same ranks (reduce-scatter within each host over shared memory, all-reduce of each
+    shard across hosts over Gloo, all-gather within the host: See Note [Hierarchical
+    all-reduce] in csrc/shm/hier.h), which sends fewer bytes and steps over the slow
+    links. Needs shared_memory_gradients. False keeps the flat Gloo all-reduce. One rank
+    per host, or hosts with different numbers of ranks: flat Gloo either way."""
+
     inline_collectives: bool = False
     """Run each bucket's default all-reduce on the backward thread as the bucket completes,
     instead of on a communication thread (see Note [Inline collectives] in

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .config import DDPConfig
-from .shm import same_host_group
+from .shm import hierarchical_group, same_host_group
 
 _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
     "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "
@@ -27,10 +27,15 @@ _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why n
 def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
     """The group gradient collectives run on: the one place that choice is made. A Gloo
     group whose ranks share this host gets a shared-memory "pycomm" group over the same
-    ranks (config.shared_memory_gradients), anything else keeps `process_group`."""
+    ranks (config.shared_memory_gradients); one spanning hosts with several ranks on each
+    a hierarchical "pycomm" group (config.hierarchical_allreduce); anything else keeps
+    `process_group`."""
     if not config.shared_memory_gradients:
         return process_group
-    return same_host_group(process_group) or process_group
+    group = same_host_group(process_group)
+    if group is None and config.hierarchical_allreduce:
+        group = hierarchical_group(process_group)
+    return group or process_group
 
 
 def find_tensors(obj: Any) -> list[torch.Tensor]:

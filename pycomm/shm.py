@@ -1,12 +1,17 @@
 """The "pycomm" torch.distributed backend: shared-memory collectives between the ranks of
-one host, implemented in C++ (csrc/shm/). This module owns its registration and its
-rendezvous; the collectives, waits and Work objects live in the extension.
+one host, implemented in C++ (csrc/shm/), and the hierarchical all-reduce for groups that
+span hosts (shared memory within each host, Gloo across; See Note [Hierarchical
+all-reduce] in csrc/shm/hier.h). This module owns its registration and its rendezvous;
+the collectives, waits and Work objects live in the extension.
 
 Rendezvous goes only through the c10d store torch hands the creator (already prefixed per
-group): every rank publishes a host identity, and the group refuses to form unless all
-ranks share it; rank 0 creates a segment under a random name (owner-only permissions),
-publishes the name, waits until every rank has mapped it and unlinks it at once, so
-/dev/shm keeps nothing of ours whatever happens later.
+group): every rank publishes a host identity (hostname and kernel boot id). The ranks of
+one host share a segment: its rank 0 creates it under a random name (owner-only
+permissions), publishes the name, waits until every rank of the host has mapped it and
+unlinks it at once, so /dev/shm keeps nothing of ours whatever happens later (a killed
+rank included). A group over several hosts also builds two Gloo groups from the same
+store: across hosts (one rank per host, same local index) and over all its ranks (for
+every operation but all-reduce).
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ BACKEND_NAME = "pycomm"
 
 _SEGMENT_KEY = "pycomm/shm/segment"
 _SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+_HIER_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+_LAYOUTS: dict[str, "HostLayout"] = {}
 _HOST_KEY = "pycomm/shm/host/{}"
 _MAPPED_KEY = "pycomm/shm/mapped/{}"
 
@@ -40,22 +47,37 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _check_one_host(store: dist.Store, rank: int, size: int) -> None:
-    mine = host_identity()
-    store.set(_HOST_KEY.format(rank), mine)
-    hosts = [store.get(_HOST_KEY.format(r)).decode() for r in range(size)]
-    elsewhere = [r for r, h in enumerate(hosts) if h != mine]
-    if elsewhere:
-        raise RuntimeError(
-            f"pycomm backend: ranks {elsewhere} run on another host than rank {rank} "
-            f"({mine}); the shared-memory backend needs every rank of the group on one host "
-            "(use gloo across hosts)")
+def _hosts(store: dist.Store, rank: int, size: int) -> list[str]:
+    """Every rank's host identity, exchanged through the creator's store."""
+    store.set(_HOST_KEY.format(rank), host_identity())
+    return [store.get(_HOST_KEY.format(r)).decode() for r in range(size)]
 
 
-def create_backend(store: dist.Store, rank: int, size: int,
-                   timeout: datetime.timedelta) -> _C.ShmBackend:
-    """The creator torch calls for each new "pycomm" group (store, rank, size, timeout)."""
-    _check_one_host(store, rank, size)
+class HostLayout:
+    """Which ranks of a group share which host: `hosts[h]` lists host h's ranks (hosts in
+    the order of their first rank, ranks in rank order)."""
+
+    def __init__(self, identities: list[str]):
+        order = list(dict.fromkeys(identities))
+        self.identities = identities
+        self.hosts = [[r for r, ident in enumerate(identities) if ident == h] for h in order]
+
+    def host_of(self, rank: int) -> int:
+        return next(h for h, ranks in enumerate(self.hosts) if rank in ranks)
+
+    @property
+    def uniform(self) -> bool:
+        """Every host holds the same number of ranks."""
+        return len({len(ranks) for ranks in self.hosts}) == 1
+
+    def describe(self) -> str:
+        return "; ".join(f"{self.identities[ranks[0]]}: ranks {ranks}" for ranks in self.hosts)
+
+
+def _create_local(store: dist.Store, rank: int, size: int,
+                  timeout: datetime.timedelta) -> _C.ShmBackend:
+    """A shared-memory backend over `size` ranks of one host (rank 0 creates the segment
+    and unlinks it once every rank has mapped it)."""
     timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     if rank == 0:
         name = f"/pycomm-{os.getpid()}-{secrets.token_hex(8)}"
@@ -74,6 +96,39 @@ def create_backend(store: dist.Store, rank: int, size: int,
         raise
     store.set(_MAPPED_KEY.format(rank), "1")
     return backend
+
+
+def _gloo(store: dist.Store, rank: int, size: int,
+          timeout: datetime.timedelta) -> dist.ProcessGroupGloo:
+    # Gloo picks its interface as torch's own Gloo groups do (GLOO_SOCKET_IFNAME, else the
+    # address the hostname resolves to).
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def create_backend(store: dist.Store, rank: int, size: int,
+                   timeout: datetime.timedelta):
+    """The creator torch calls for each new "pycomm" group (store, rank, size, timeout):
+    a shared-memory backend when every rank runs on this host, else the hierarchical one
+    (See Note [Hierarchical all-reduce] in csrc/shm/hier.h) when every host holds the
+    same number of ranks."""
+    layout = HostLayout(_hosts(store, rank, size))
+    if len(layout.hosts) == 1:
+        return _create_local(store, rank, size, timeout)
+    if not layout.uniform:
+        raise ValueError(
+            f"pycomm backend: rank {rank}: the group's hosts hold different numbers of ranks "
+            f"({layout.describe()}); shared memory reaches only ranks of one host and the "
+            f"hierarchical all-reduce needs as many ranks on every host (use gloo for this "
+            f"group)")
+    host = layout.host_of(rank)
+    local_rank = layout.hosts[host].index(rank)
+    per_host = len(layout.hosts[host])
+    local = _create_local(dist.PrefixStore(f"pycomm/host{host}/", store), local_rank,
+                          per_host, timeout)
+    cross = _gloo(dist.PrefixStore(f"pycomm/cross{local_rank}/", store), host,
+                  len(layout.hosts), timeout)
+    flat = _gloo(dist.PrefixStore("pycomm/flat/", store), rank, size, timeout)
+    return _C.HierBackend(rank, size, host, len(layout.hosts), local, cross, flat)
 
 
 def register() -> None:
@@ -104,6 +159,8 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
     if group is None:
         raise RuntimeError("pycomm.shm.stats: torch.distributed is not initialized")
     backend = group._get_backend(torch.device("cpu"))
+    if isinstance(backend, _C.HierBackend):  # a group over hosts: its shared-memory part
+        backend = backend.local
     if not isinstance(backend, _C.ShmBackend):
         raise ValueError(f"pycomm.shm.stats: group {group.group_name!r} uses backend "
                          f"{dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
@@ -117,6 +174,19 @@ def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
         return None
 
 
+def host_layout(group: dist.ProcessGroup) -> HostLayout:
+    """Which ranks of `group` share a host. Collective over `group` the first time; cached
+    per group."""
+    if group.group_name not in _LAYOUTS:
+        _LAYOUTS[group.group_name] = HostLayout(all_gather_object(host_identity(), group=group))
+    return _LAYOUTS[group.group_name]
+
+
+def _pycomm_group_over(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    return dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
+                          timeout=_group_timeout(group), use_local_synchronization=True)
+
+
 def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """A "pycomm" group over the ranks of `group` (a CPU-only Gloo group), or None when
     that would not help: one rank, another backend, or ranks on several hosts. Collective
@@ -128,10 +198,37 @@ def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     if dist.get_backend(group) == BACKEND_NAME:
         answer = group
     elif dist.get_backend(group) == "gloo" and size > 1:
-        hosts = all_gather_object(host_identity(), group=group)
-        if len(set(hosts)) == 1:
-            answer = dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
-                                    timeout=_group_timeout(group),
-                                    use_local_synchronization=True)
+        if len(host_layout(group).hosts) == 1:
+            answer = _pycomm_group_over(group)
     _SAME_HOST_GROUPS[group.group_name] = answer
     return answer
+
+
+def hierarchical_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """A hierarchical "pycomm" group over the ranks of `group` (a CPU-only Gloo group
+    spanning several hosts, each holding the same number of ranks, more than one), or None
+    when it would not help: one host (see same_host_group), one rank per host (the flat
+    Gloo all-reduce is already the cross-host one), hosts holding different numbers of
+    ranks. See Note [Hierarchical all-reduce] in csrc/shm/hier.h. Collective over `group`
+    the first time; the answer is cached per group."""
+    if group.group_name in _HIER_GROUPS:
+        return _HIER_GROUPS[group.group_name]
+    answer = None
+    if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
+        layout = host_layout(group)
+        if len(layout.hosts) > 1 and layout.uniform and len(layout.hosts[0]) > 1:
+            answer = _pycomm_group_over(group)
+    _HIER_GROUPS[group.group_name] = answer
+    return answer
+
+
+def hierarchy(group: dist.ProcessGroup | None = None) -> dict[str, int] | None:
+    """How a "pycomm" group reduces: for a group spanning hosts, this rank's ``host``, the
+    number of ``hosts``, its ``local_rank`` and the ``ranks_per_host``; None for a group on
+    one host (plain shared memory)."""
+    group = group if group is not None else dist.group.WORLD
+    backend = group._get_backend(torch.device("cpu"))
+    if not isinstance(backend, _C.HierBackend):
+        return None
+    return {"host": backend.host, "hosts": backend.hosts,
+            "local_rank": backend.local.rank(), "ranks_per_host": backend.local.size()}

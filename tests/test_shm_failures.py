@@ -69,10 +69,13 @@ def test_missing_rank_times_out_naming_it():
 
 
 def _two_hosts(rank, world):
+    # Ranks on two hosts make a hierarchical group, not a shared-memory one (hosts holding
+    # different numbers of ranks are refused: tests/test_shm_hier.py).
     if rank == 1:
         pycomm.shm.host_identity = lambda: "elsewhere/boot"
-    with pytest.raises(RuntimeError, match=f"ranks \\[{1 - rank}\\] run on another host"):
-        dist.new_group(backend="pycomm")
+    group = dist.new_group(backend="pycomm")
+    assert pycomm.shm.hierarchy(group) == {"host": rank, "hosts": 2, "local_rank": 0,
+                                           "ranks_per_host": 1}
 
 
 def _bad_arguments(rank, world):
@@ -92,6 +95,6 @@ def _refusals(rank, world):
     dist.barrier()
 
 
-def test_two_hosts_refused_and_bad_arguments_named():
+def test_two_hosts_hierarchical_and_bad_arguments_named():
     run_ranks(_refusals, world_size=2, backend="pycomm")
     run_ranks(_bad_arguments, world_size=2, backend="pycomm")

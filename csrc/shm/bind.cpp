@@ -6,6 +6,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "shm/backend.h"
+#include "shm/hier.h"
 #include "shm/segment.h"
 
 namespace pycomm {
@@ -27,6 +28,24 @@ void bind_shm(pybind11::module& m) {
            "Counters since the group was created (see pycomm.shm.stats).")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),
                   "Remove segment `name` from /dev/shm (mappings stay valid).");
+  py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>(
+      m, "HierBackend",
+      "c10d backend of a group over several hosts: all-reduce hierarchically (shared memory "
+      "within a host, `cross` across hosts), the rest on `flat` (see csrc/shm/hier.h)")
+      .def(py::init([](int rank, int size, int host, int hosts,
+                       c10::intrusive_ptr<shm::ShmBackend> local,
+                       c10::intrusive_ptr<c10d::Backend> cross,
+                       c10::intrusive_ptr<c10d::Backend> flat) {
+             return c10::make_intrusive<shm::HierBackend>(rank, size, host, hosts,
+                                                          std::move(local), std::move(cross),
+                                                          std::move(flat));
+           }),
+           py::arg("rank"), py::arg("size"), py::arg("host"), py::arg("hosts"),
+           py::arg("local"), py::arg("cross"), py::arg("flat"))
+      .def_property_readonly("host", &shm::HierBackend::host, "this rank's host (0-based)")
+      .def_property_readonly("hosts", &shm::HierBackend::hosts, "the number of hosts")
+      .def_property_readonly("local", &shm::HierBackend::local,
+                             "the shared-memory group of this rank's host");
 }
 
 }  // namespace pycomm

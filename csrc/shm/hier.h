@@ -1,0 +1,136 @@
+// HierBackend: the "pycomm" backend of a group whose ranks sit on several hosts, each host
+// holding the same number of them. It composes three groups that pycomm/shm.py builds
+// from the one store torch hands the creator:
+//   local  the ranks of this host, over shared memory (a ShmBackend)
+//   cross  the ranks of every host with this rank's local index, one per host (Gloo)
+//   flat   every rank of the group (Gloo), for the operations other than all-reduce
+//
+// Note [Hierarchical all-reduce]
+// H hosts of L ranks each, S bytes to all-reduce. The buffer is cut into L shards (the
+// last one padded when L does not divide it); local rank i owns shard i.
+//
+//   host 0  r0 [a0|b0]  r1 [a1|b1]      1. reduce-scatter within the host (shared memory):
+//   host 1  r2 [a2|b2]  r3 [a3|b3]         r0 holds a0+a1, r1 b0+b1, r2 a2+a3, r3 b2+b3
+//                                       2. all-reduce of each shard across hosts (Gloo),
+//                                          r0 with r2, r1 with r3: a = (a0+a1)+(a2+a3)
+//                                       3. all-gather within the host (shared memory)
+//
+// What leaves a host: its L ranks each all-reduce S/L bytes over a ring of H ranks, so
+// 2(H-1)/H x S in all, against 2(n-1)/n x S over each boundary link of a flat ring of
+// n = H x L ranks; and 2(H-1) steps over the slow link instead of 2(n-1). Inside a host the
+// traffic moves through shared memory instead of TCP loopback.
+// Order of the sum: every element is (sum over its host's ranks, in local rank order)
+// summed over hosts in Gloo's order, the same on every rank, so all ranks get identical
+// bits; a flat Gloo all-reduce adds in another order, so the two differ by float
+// rounding only. AVG sums throughout and divides once at the end (Gloo has no AVG).
+#pragma once
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "shm/backend.h"
+#include "shm/work.h"
+
+namespace pycomm::shm {
+
+class HierBackend : public c10d::Backend {
+ public:
+  HierBackend(int rank, int size, int host, int hosts, c10::intrusive_ptr<ShmBackend> local,
+              c10::intrusive_ptr<c10d::Backend> cross, c10::intrusive_ptr<c10d::Backend> flat);
+  ~HierBackend() override;
+
+  const std::string getBackendName() const override { return "pycomm"; }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
+      std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+
+  // Everything else goes to the flat group.
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return flat_->broadcast(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
+                                        const c10d::ReduceOptions& opts) override {
+    return flat_->reduce(tensors, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    return flat_->allgather(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    return flat_->_allgather_base(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    return flat_->reduce_scatter(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
+    return flat_->_reduce_scatter_base(output, input, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    return flat_->gather(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    return flat_->scatter(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs,
+                                          std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    return flat_->alltoall(outputs, inputs, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_splits,
+                                               std::vector<int64_t>& input_splits,
+                                               const c10d::AllToAllOptions& opts) override {
+    return flat_->alltoall_base(output, input, output_splits, input_splits, opts);
+  }
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
+                                      int tag) override {
+    return flat_->send(tensors, dst, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
+                                      int tag) override {
+    return flat_->recv(tensors, src, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors,
+                                               int tag) override {
+    return flat_->recvAnysource(tensors, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return flat_->barrier(opts);
+  }
+
+  int host() const { return host_; }
+  int hosts() const { return hosts_; }
+  const c10::intrusive_ptr<ShmBackend>& local() const { return local_; }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
+                                         std::vector<at::Tensor> tensors,
+                                         c10d::ReduceOp::RedOpType reduce);
+  // One all-reduce, the three phases of Note [Hierarchical all-reduce], on the lane.
+  void run(const char* op, uint64_t seq, const at::Tensor& t, c10d::ReduceOp::RedOpType reduce);
+
+  int host_, hosts_;
+  c10::intrusive_ptr<ShmBackend> local_;
+  c10::intrusive_ptr<c10d::Backend> cross_, flat_;
+  std::shared_ptr<Executor> lane_;
+  uint64_t next_seq_ = 0;  // issue order; issuing threads are serialized by c10d callers
+  std::mutex failure_mutex_;
+  std::string failure_;  // the first failed all-reduce: the group is unusable after it
+};
+
+}  // namespace pycomm::shm
