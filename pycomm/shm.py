@@ -32,7 +32,7 @@ BACKEND_NAME = "pycomm"
 _SEGMENT_KEY = "pycomm/shm/segment"
 _SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _HIER_GROUPS: dict[str, dist.ProcessGroup | None] = {}
-_LAYOUTS: dict[str, "HostLayout"] = {}
+_LAYOUTS: dict[str, HostLayout] = {}
 _HOST_KEY = "pycomm/shm/host/{}"
 _MAPPED_KEY = "pycomm/shm/mapped/{}"
 
@@ -197,9 +197,9 @@ def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     size = dist.get_world_size(group)
     if dist.get_backend(group) == BACKEND_NAME:
         answer = group
-    elif dist.get_backend(group) == "gloo" and size > 1:
-        if len(host_layout(group).hosts) == 1:
-            answer = _pycomm_group_over(group)
+    elif (dist.get_backend(group) == "gloo" and size > 1
+          and len(host_layout(group).hosts) == 1):
+        answer = _pycomm_group_over(group)
     _SAME_HOST_GROUPS[group.group_name] = answer
     return answer
 

@@ -114,8 +114,8 @@ def _one_per_host(rank, world):
 def _uneven_hosts(rank, world):
     _pretend_hosts(rank, [2, 1])
     assert pycomm.shm.hierarchical_group(dist.group.WORLD) is None  # DDP keeps Gloo
-    with pytest.raises(ValueError, match=r"hosts hold different numbers of ranks "
-                                         r"\(host0/boot: ranks \[0, 1\]; host1/boot: ranks \[2\]\)"):
+    layout = r"\(host0/boot: ranks \[0, 1\]; host1/boot: ranks \[2\]\)"
+    with pytest.raises(ValueError, match=r"hosts hold different numbers of ranks " + layout):
         dist.new_group(backend="pycomm")
 
 
