@@ -44,8 +44,8 @@ from .hosts_launch import Launch, RankResult, RanksFailed
 
 __all__ = ["Hosts", "Launch", "RankResult", "RanksFailed"]
 
-NETNS_DIR = "/run/netns"
 UTS_DIR = "/run/pycomm-hosts"  # bind mounts of each host's UTS namespace
+ETC_DIR = "/etc/netns"  # `ip netns exec` binds /etc/netns/<name>/hosts over /etc/hosts
 PREFIX = "pycomm-h"
 SUBNET = "10.77.0"
 IFNAME = "eth0"
@@ -112,11 +112,12 @@ def remove_stale() -> list[str]:
             _kill_netns_pids(netns)
             _ip("netns", "del", netns, check=False)
             removed.append(netns)
-    if os.path.isdir(UTS_DIR):
-        for name in os.listdir(UTS_DIR):
-            if _ours(name) is not None and not _pid_alive(_ours(name)):
-                _remove_uts(os.path.join(UTS_DIR, name))
-                removed.append(name)
+    for directory, remove in ((UTS_DIR, _remove_uts), (ETC_DIR, shutil.rmtree)):
+        if os.path.isdir(directory):
+            for name in os.listdir(directory):
+                if _ours(name) is not None and not _pid_alive(_ours(name)):
+                    remove(os.path.join(directory, name))
+                    removed.append(name)
     return removed
 
 
@@ -187,7 +188,13 @@ class Hosts:
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
         os.makedirs(UTS_DIR, exist_ok=True)
+        # Each host resolves every host's name, as cluster DNS would (torchrun's c10d
+        # rendezvous looks its own hostname up).
+        hosts_file = "".join(f"{self.addr(i)} {self.hostnames[i]}\n" for i in range(self.n))
         for i, netns in enumerate(self.netns):
+            os.makedirs(os.path.join(ETC_DIR, netns), exist_ok=True)
+            with open(os.path.join(ETC_DIR, netns, "hosts"), "w") as f:
+                f.write(f"127.0.0.1 localhost\n{hosts_file}")
             _ip("netns", "add", netns)
             _ip("-n", netns, "link", "set", "lo", "up")
             _ip("-n", netns, "link", "add", IFNAME, "type", "veth", "peer", "name", f"p{i}",
@@ -228,6 +235,8 @@ class Hosts:
             _ip("netns", "del", netns, check=False)
         for path in self._uts:
             _remove_uts(path)
+        for netns in self.netns:
+            shutil.rmtree(os.path.join(ETC_DIR, netns), ignore_errors=True)
         atexit.unregister(self.close)
 
     # -- what a host is ----------------------------------------------------------------
@@ -237,9 +246,10 @@ class Hosts:
         return f"{SUBNET}.{host + 1}"
 
     def exec_argv(self, host: int, argv: Sequence[str]) -> list[str]:
-        """`argv` run inside host `host` (its network and its hostname)."""
-        return ["nsenter", f"--net={NETNS_DIR}/{self.netns[host]}",
-                f"--uts={self._uts[host]}", "--", *argv]
+        """`argv` run inside host `host`: its network (and its /sys/class/net and
+        /etc/hosts, through `ip netns exec`) and its hostname."""
+        return ["ip", "netns", "exec", self.netns[host], "nsenter", f"--uts={self._uts[host]}",
+                "--", *argv]
 
     def spawn(self, host: int, argv: Sequence[str], **popen_kwargs: Any) -> subprocess.Popen:
         """Start `argv` in host `host` (a launcher such as torchrun, a helper process);
