@@ -329,11 +329,15 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         reports = self.step_reports(1)
         return reports[-1] if reports else None
 
-    def export_chrome_trace(self, path: str, all_ranks: bool = False) -> Optional[str]:
+    def export_chrome_trace(self, path: str, all_ranks: bool = False,
+                            align: str = "clock") -> Optional[str]:
         """Write the recorded steps as a Chrome/Perfetto trace; with all_ranks=True every
-        rank must call it and rank 0 writes all ranks' steps. Returns the path written."""
+        rank must call it and rank 0 writes all ranks' steps. Returns the path written.
+        Ranks on several hosts do not share a clock: pass align="step" (see
+        pycomm.overlap.chrome_trace)."""
         return overlap.write_chrome_trace(path, self.step_reports(self.config.timeline_steps),
-                                          all_ranks=all_ranks, group=self.process_group)
+                                          all_ranks=all_ranks, group=self.process_group,
+                                          align=align)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names) -> None:

@@ -1,0 +1,60 @@
+"""Faults across hosts (pycomm/hosts.py): a host whose ranks are killed mid-training, or
+whose link goes down, makes the other ranks' DDP step fail within the group timeout with
+an error that names the bucket and what went wrong; nothing hangs."""
+
+from __future__ import annotations
+
+import time
+
+from ddp_models import build, loss_of, make_input
+from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
+
+import pycomm
+from pycomm.hosts import Hosts
+
+pytestmark = needs_hosts
+_GROUP_TIMEOUT_S = 8.0
+# From the fault to the surviving rank's exit: the group timeout, plus the traceback and
+# the interpreter's exit on 2 loaded cores.
+_BOUND_S = _GROUP_TIMEOUT_S + 15.0
+
+
+def _train_until_killed(rank, world_size):
+    ddp = pycomm.DistributedDataParallel(build("mlp"), bucket_cap_mb=1e-3)
+    for step in range(100000):
+        loss_of(ddp(make_input("mlp", rank, step))).backward()
+        print(f"step {step}", flush=True)
+        time.sleep(0.01)
+
+
+def _fault(fault: str):
+    with Hosts(2) as hosts:
+        launch = hosts.start(_train_until_killed, group_timeout_s=_GROUP_TIMEOUT_S)
+        for rank in (0, 1):
+            launch.wait_for_output(rank, "step 3", timeout=90)
+        t0 = time.monotonic() - launch.t0
+        if fault == "kill":
+            hosts.kill_host(1)
+        else:
+            hosts.link_down(1)
+        results = launch.wait(timeout=t0 + _BOUND_S + 10, check=False)
+    return t0, results
+
+
+def test_a_killed_host_fails_the_other_hosts_step_naming_the_bucket():
+    t0, results = _fault("kill")
+    survivor = results[0]
+    assert survivor.returncode not in (0, None), survivor.describe()
+    assert survivor.elapsed_s - t0 < _BOUND_S, survivor.describe()
+    assert "pycomm DDP (rank 0): the collective of bucket" in survivor.stderr, \
+        survivor.describe()
+
+
+def test_a_link_down_fails_both_hosts_within_the_group_timeout():
+    t0, results = _fault("link")
+    for r in results:
+        assert r.returncode not in (0, None), r.describe()
+        assert r.elapsed_s - t0 < _BOUND_S, r.describe()
+        assert f"pycomm DDP (rank {r.rank}): the collective of bucket" in r.stderr, \
+            r.describe()
+        assert "timed out" in r.stderr.lower() or "Timed out" in r.stderr, r.describe()
