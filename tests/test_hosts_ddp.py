@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _groups(rank, world_size):
     """Which groups pycomm's shared-memory detection gives: None for the world (it spans
-    hosts), a "pycomm" group for the ranks of one host, and a refusal for a "pycomm"
-    group asked across hosts."""
+    hosts), a "pycomm" group for the ranks of one host, and for a "pycomm" group asked
+    across hosts a hierarchical one (here one rank per host)."""
     per_host = int(os.environ["LOCAL_WORLD_SIZE"])
     host = rank // per_host
     mine = None
@@ -35,22 +35,22 @@ def _groups(rank, world_size):
         g = dist.new_group(list(range(h * per_host, (h + 1) * per_host)))
         mine = g if h == host else mine
     local = pycomm.shm.same_host_group(mine) if per_host > 1 else None
-    refused = ""
+    across = None
     if per_host > 1 and rank in (per_host - 1, per_host):  # last of host 0, first of host 1
-        try:
-            dist.new_group([per_host - 1, per_host], backend="pycomm",
-                           use_local_synchronization=True)
-        except RuntimeError as e:
-            refused = str(e)
+        across = pycomm.shm.hierarchy(dist.new_group(
+            [per_host - 1, per_host], backend="pycomm", use_local_synchronization=True))
     return {"world": pycomm.shm.same_host_group(dist.group.WORLD),
-            "local": None if local is None else dist.get_backend(local), "refused": refused}
+            "local": None if local is None else dist.get_backend(local), "across": across}
 
 
 def _ddp_against_torch(rank, world_size, steps=3):
     found = _groups(rank, world_size)
     base = build("mlp")
     ref = TorchDDP(copy.deepcopy(base))
-    ours = pycomm.DistributedDataParallel(copy.deepcopy(base))  # default config
+    # The flat path (hierarchical_allreduce=False): with several ranks per host the
+    # default is the hierarchical all-reduce, tested in tests/test_hosts_hier.py.
+    ours = pycomm.DistributedDataParallel(
+        copy.deepcopy(base), config=pycomm.DDPConfig(hierarchical_allreduce=False))
     opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
     for step in range(steps):
         for ddp, opt in zip((ref, ours), opts):
@@ -81,12 +81,13 @@ def test_ddp_two_hosts_two_ranks_each_uses_shared_memory_only_within_a_host():
         values = [r.value for r in hosts.run(_ddp_against_torch, ranks_per_host=2,
                                              timeout=180, group_timeout_s=60)]
     for rank, v in enumerate(values):
-        # Within a host the shared-memory group forms; across hosts it never does: today
-        # DDP reduces over the Gloo world group when its ranks span hosts.
+        # Within a host the shared-memory group forms; across hosts it never does: with
+        # the hierarchical path off, DDP reduces over the Gloo world group.
         assert v["local"] == "pycomm", (rank, v)
         assert v["world"] is None and v["gradient_backend"] == "gloo", (rank, v)
-    for rank in (1, 2):
-        assert "run on another host" in values[rank]["refused"], values[rank]
+    for rank in (1, 2):  # a "pycomm" group of ranks 1 and 2 spans the two hosts
+        assert values[rank]["across"] == {"host": rank - 1, "hosts": 2, "local_rank": 0,
+                                          "ranks_per_host": 1}, values[rank]
 
 
 def _join_hook_and_trace(rank, world_size, trace_path):
