@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from ddp_models import build, loss_of, make_input
 from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 
@@ -27,10 +28,11 @@ def _train_until_killed(rank, world_size):
         time.sleep(0.01)
 
 
-def _fault(fault: str):
+def _fault(fault: str, ranks_per_host: int):
     with Hosts(2) as hosts:
-        launch = hosts.start(_train_until_killed, group_timeout_s=_GROUP_TIMEOUT_S)
-        for rank in (0, 1):
+        launch = hosts.start(_train_until_killed, ranks_per_host=ranks_per_host,
+                             group_timeout_s=_GROUP_TIMEOUT_S)
+        for rank in range(2 * ranks_per_host):
             launch.wait_for_output(rank, "step 3", timeout=90)
         t0 = time.monotonic() - launch.t0
         if fault == "kill":
@@ -41,17 +43,26 @@ def _fault(fault: str):
     return t0, results
 
 
-def test_a_killed_host_fails_the_other_hosts_step_naming_the_bucket():
-    t0, results = _fault("kill")
-    survivor = results[0]
-    assert survivor.returncode not in (0, None), survivor.describe()
-    assert survivor.elapsed_s - t0 < _BOUND_S, survivor.describe()
-    assert "pycomm DDP (rank 0): the collective of bucket" in survivor.stderr, \
-        survivor.describe()
+# 2 hosts x 2 ranks: DDP's buckets go through the hierarchical all-reduce, whose error
+# says which phase failed (the all-reduce across hosts, or the shared-memory phase whose
+# local peer had already failed and exited).
+@pytest.mark.parametrize("ranks_per_host", [1, 2], ids=["2x1", "2x2-hierarchical"])
+def test_a_killed_host_fails_the_other_hosts_step_naming_the_bucket(ranks_per_host):
+    t0, results = _fault("kill", ranks_per_host)
+    for survivor in results[:ranks_per_host]:
+        assert survivor.returncode not in (0, None), survivor.describe()
+        assert survivor.elapsed_s - t0 < _BOUND_S, survivor.describe()
+        assert f"pycomm DDP (rank {survivor.rank}): the collective of bucket" in \
+            survivor.stderr, survivor.describe()
+    if ranks_per_host > 1:
+        assert any("(hierarchical" in r.stderr and "the all-reduce across hosts failed"
+                   in r.stderr for r in results[:ranks_per_host]), \
+            "\n".join(r.describe() for r in results)
 
 
-def test_a_link_down_fails_both_hosts_within_the_group_timeout():
-    t0, results = _fault("link")
+@pytest.mark.parametrize("ranks_per_host", [1, 2], ids=["2x1", "2x2-hierarchical"])
+def test_a_link_down_fails_both_hosts_within_the_group_timeout(ranks_per_host):
+    t0, results = _fault("link", ranks_per_host)
     for r in results:
         assert r.returncode not in (0, None), r.describe()
         assert r.elapsed_s - t0 < _BOUND_S, r.describe()

@@ -72,11 +72,11 @@ def _hier_collectives(rank, world, per_host):
     expected = (torch.arange(24, dtype=torch.float32).reshape(4, 6) * world
                 + sum(range(world))).t()
     assert torch.equal(view, expected)
-    works = [dist.all_reduce(torch.full((1000,), float(rank + i)), group=group, async_op=True)
-             for i in range(8)]
-    for i, w in enumerate(works):
+    tensors = [torch.full((1000,), float(rank + i)) for i in range(8)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    for i, (w, t) in enumerate(zip(works, tensors)):
         w.wait()
-        assert torch.equal(w.result()[0], torch.full((1000,), float(sum(range(world)) + world * i)))
+        assert torch.equal(t, torch.full((1000,), float(sum(range(world)) + world * i)))
 
     # Everything else goes to the group over all ranks.
     t = torch.full((5,), float(rank))

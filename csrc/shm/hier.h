@@ -23,6 +23,20 @@
 // summed over hosts in Gloo's order, the same on every rank, so all ranks get identical
 // bits; a flat Gloo all-reduce adds in another order, so the two differ by float
 // rounding only. AVG sums throughout and divides once at the end (Gloo has no AVG).
+//
+// Note [Hierarchical pipeline]
+// Run one after the other, the three phases leave the slow link idle while the host
+// reduces and gathers. So the buffer is cut into blocks of L pieces (2 MiB each, the
+// last block shorter) and the phases are pipelined over the blocks: block b's pieces
+// cross hosts (Gloo, on its own threads) while this thread reduce-scatters block b+1 and
+// then gathers block b once it is back.
+//
+//   thread  [RS 0][RS 1][wait 0][AG 0][RS 2][wait 1][AG 1] ... [wait B-1][AG B-1]
+//   Gloo          [across 0    ][across 1         ][across 2 ...]
+//
+// Rank i of a host owns piece i of every block. The order of the steps depends only on
+// the tensor's size and L, so every rank of a host takes the same shared-memory rounds in
+// the same order and every cross-host group the same Gloo collectives.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>

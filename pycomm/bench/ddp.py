@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ IMPLS = {
     # collectives] in csrc/reducer/reducer.cpp): only with --impls, for comparison.
     "pycomm_inline": lambda m, **kw: PycommDDP(m, config=DDPConfig(inline_collectives=True,
                                                                    **kw)),
+    # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
+    "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
+                                                                 **kw)),
 }
 DEFAULT_IMPLS = ("torch", "pycomm")
 COMPILED = "+compile"  # suffix of an implementation run under torch.compile(ddp)
@@ -61,6 +65,7 @@ class Config:
     threads: int = 1
     compile: bool = False
     compile_backend: str = "inductor"
+    hosts: str = ""  # "2 hosts x 2 ranks, link 1 Gbit/s (tbf)" for a --hosts run
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -84,6 +89,7 @@ class Result:
     cpu_ms: float           # median process CPU time (all threads) of a step, slowest rank
     no_sync_cpu_ms: float   # the same inside no_sync(): cpu_ms - this = communication's CPU
     overlap: float          # pycomm: median of the least overlapped rank's step; torch: nan
+    wire_mb: float = float("nan")  # per synchronized step, MB host 0 sent on its link (--hosts)
 
 
 class _Model(nn.Module):
@@ -151,6 +157,19 @@ def _timed(model, ddp, opt, x, steps: int, no_sync: bool) -> list[tuple[float, .
     return out
 
 
+def _wire_bytes() -> float:
+    """Bytes this host sent so far on the interface Gloo uses across hosts
+    (GLOO_SOCKET_IFNAME, set by --hosts runs), or nan elsewhere."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname:
+        return float("nan")
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return float(f.read())
+    except OSError:
+        return float("nan")
+
+
 def _overlaps(ddp: nn.Module, steps: int) -> list[float]:
     """pycomm's overlap of the last `steps` synchronized steps, the least of the ranks'."""
     if not isinstance(ddp, PycommDDP):
@@ -176,14 +195,16 @@ def run_model(cfg: Config, name: str) -> list[Result]:
         for _ in range(cfg.warmup):
             _step(model, opt, x)
         _timed(model, ddp, opt, x, 1, no_sync=True)  # a compiled no_sync step may recompile
-        runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": []})
+        runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": [], "wire": []})
     for rep in range(cfg.reps):  # interleaved, alternating who goes first
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for variant in order:
             model, ddp, opt, samples = runs[variant]
             for no_sync in (False, True):
+                sent = _wire_bytes()
                 samples[no_sync] += _rank_max(_timed(model, ddp, opt, x, cfg.steps, no_sync))
                 if not no_sync:
+                    samples["wire"].append((_wire_bytes() - sent) / cfg.steps)
                     samples["overlap"] += _overlaps(ddp, cfg.steps)
     params = sum(p.numel() for p in module.parameters())
     results = []
@@ -193,7 +214,8 @@ def run_model(cfg: Config, name: str) -> list[Result]:
         quiet, _, quiet_cpu = (statistics.median(s[i] for s in samples[True]) * 1e3
                                for i in range(3))
         results.append(Result(name, params, _per_rank(name, x), variant, step, bwd, quiet,
-                              step - quiet, cpu, quiet_cpu, _median(samples["overlap"])))
+                              step - quiet, cpu, quiet_cpu, _median(samples["overlap"]),
+                              _median(samples["wire"]) / 1e6))
     return results
 
 
@@ -208,19 +230,24 @@ def run(cfg: Config) -> list[Result]:
 
 def format_results(cfg: Config, results: list[Result]) -> str:
     compiled = {"compile": cfg.compile_backend} if cfg.compile else {}
+    wire = any(r.wire_mb == r.wire_mb for r in results)
+    where = {"hosts": cfg.hosts} if cfg.hosts else {}
     lines = [common.header("ddp step time (ms), medians of per-step max over ranks",
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
-                           warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **compiled),
+                           warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **compiled,
+                           **where),
              f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>14} {'step':>7} "
              f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7} "
-             f"{'overlap':>7}"]
+             f"{'overlap':>7}" + (f" {'wire_MB':>7}" if wire else "")]
     for r in results:
         lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>14} "
                      f"{r.step_ms:>7.1f} {r.backward_ms:>8.1f} {r.no_sync_step_ms:>7.1f} "
                      f"{r.exposed_ms:>7.1f} {r.cpu_ms:>7.1f} {r.no_sync_cpu_ms:>7.1f} "
-                     f"{r.overlap:>7.2f}")
+                     f"{r.overlap:>7.2f}" + (f" {r.wire_mb:>7.1f}" if wire else ""))
     lines.append("# cpu: process CPU ms per step (all threads); cpu_ns: the same in no_sync; "
-                 "overlap: pycomm's, median step of the least overlapped rank")
+                 "overlap: pycomm's, median step of the least overlapped rank" +
+                 ("; wire_MB: what host 0 sent on its link per synchronized step" if wire
+                  else ""))
     for name in dict.fromkeys(r.model for r in results):
         rows = {r.impl: r for r in results if r.model == name}
         lines += _comparisons(name, rows)
@@ -251,8 +278,33 @@ def _body(cfg: Config) -> tuple[str, list[Result]]:
     return format_results(cfg, results), results
 
 
+def _hosts_rank(rank: int, world_size: int, cfg: Config) -> tuple[str, list[Result]]:
+    """One rank of a --hosts run (pycomm/hosts.py made the env:// Gloo group)."""
+    torch.set_num_threads(cfg.threads)
+    return _body(cfg)
+
+
+def _run_on_hosts(cfg: Config, ns: argparse.Namespace) -> tuple[str, list[Result]]:
+    from ..hosts import Hosts, available  # root and iproute2 only here
+
+    reason = available()
+    if reason is not None:
+        raise SystemExit(f"--hosts: this machine cannot make hosts: {reason}")
+    with Hosts(ns.hosts, link_gbit=ns.link_gbit) as hosts:
+        ranks = hosts.run(_hosts_rank, ranks_per_host=ns.ranks_per_host,
+                          kwargs={"cfg": cfg}, timeout=3600.0, group_timeout_s=600.0)
+    return ranks[0].value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
+    p.add_argument("--hosts", type=int, default=0,
+                   help="run on this many hosts made on this machine (network namespaces "
+                        "joined by a switch, pycomm/hosts.py; root), Gloo across them")
+    p.add_argument("--ranks-per-host", type=int, default=1, help="with --hosts (default 1)")
+    p.add_argument("--link-gbit", type=float, default=None,
+                   help="with --hosts: shape each host's link to this rate with tc tbf "
+                        "(default: unshaped)")
     p.add_argument("--backend", default=None, help="default: nccl with GPUs, else gloo")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
@@ -278,16 +330,24 @@ def main(ns: argparse.Namespace) -> int:
     unknown = sorted(set(impls) - set(IMPLS))
     if unknown:
         raise SystemExit(f"--impls: unknown {unknown}; expected some of {tuple(IMPLS)}")
+    hosts = ""
+    if ns.hosts:
+        link = "unshaped" if ns.link_gbit is None else f"{ns.link_gbit:g} Gbit/s (tbf)"
+        hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
     cfg = Config(tuple(ns.models.split(",")), impls, ns.bucket_cap_mb, ns.warmup, ns.reps,
-                 ns.steps, ns.threads, ns.compile, ns.compile_backend)
-    backend = ns.backend or common.default_backend(ns.nproc)
-    text, results = common.launch(_body, cfg, ns.nproc, backend, timeout_s=3600.0,
-                                  threads=cfg.threads)
+                 ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts)
+    if ns.hosts:
+        backend, world = "gloo", ns.hosts * ns.ranks_per_host
+        text, results = _run_on_hosts(cfg, ns)
+    else:
+        backend, world = ns.backend or common.default_backend(ns.nproc), ns.nproc
+        text, results = common.launch(_body, cfg, ns.nproc, backend, timeout_s=3600.0,
+                                      threads=cfg.threads)
     print(text, flush=True)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"config": dataclasses.asdict(cfg), "torch": torch.__version__,
-                       "world": ns.nproc, "backend": backend,
+                       "world": world, "backend": backend,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                        "results": [dataclasses.asdict(r) for r in results]}, f, indent=1)
     return 0
