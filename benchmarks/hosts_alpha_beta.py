@@ -54,7 +54,8 @@ def validate(rate_gbit: float, tmp: str) -> dict:
         hosts.run([sys.executable, "-m", "pycomm.bench", "collectives", "all_reduce",
                    "-b", "1M", "-e", "64M", "-w", "2", "-n", "5", "--backend", "gloo",
                    "--json", out], timeout=900)
-        ranks = hosts.run(_ddp_rank, kwargs={"steps": STEPS}, timeout=900,
+        ranks = hosts.run("benchmarks.hosts_alpha_beta:_ddp_rank", kwargs={"steps": STEPS},
+                          timeout=900,
                           group_timeout_s=300)
     samples = load_collectives_json(out)
     model = fit_alpha_beta(samples)

@@ -105,3 +105,22 @@ def test_ddp_reduces_hierarchically_across_hosts():
                                              timeout=180, group_timeout_s=60)]
     assert values == [{"host": r // 2, "hosts": 2, "local_rank": r % 2, "ranks_per_host": 2}
                       for r in range(4)]
+
+
+def test_collectives_benchmark_measures_the_hierarchy(tmp_path):
+    """`pycomm-bench collectives --backend pycomm` across hosts: the "pycomm" world group is
+    the hierarchical one, checked on exact data by the benchmark itself."""
+    import json
+    import sys
+
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "pycomm.bench", "collectives", "all_reduce", "--backend",
+           "pycomm", "-b", "1K", "-e", "4M", "-f", "64", "-w", "1", "-n", "3", "--json",
+           str(report)]
+    with Hosts(2) as hosts:
+        results = hosts.run(cmd, ranks_per_host=2, timeout=180)
+    out = results[0].stdout
+    assert "# Out of bounds values : 0 OK" in out and "world 4" in out, out
+    assert "backend pycomm" in out, out
+    rows = json.loads(report.read_text())
+    assert rows
