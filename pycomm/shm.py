@@ -26,6 +26,8 @@ BACKEND_NAME = "pycomm"
 
 _SEGMENT_KEY = "pycomm/shm/segment"
 _SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+_RANKS_BY_HOST: dict[str, list[tuple[str, str]]] = {}
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _HOST_KEY = "pycomm/shm/host/{}"
 _MAPPED_KEY = "pycomm/shm/mapped/{}"
 
@@ -115,6 +117,48 @@ def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:
         return group._get_backend(torch.device("cpu")).options._timeout
     except (AttributeError, RuntimeError):
         return None
+
+
+def gloo_address() -> str:
+    """The address this process's Gloo pairs bind to: GLOO_SOCKET_IFNAME's IPv4 address
+    when set, else the one the hostname resolves to (Gloo's own choice); "?" if neither."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    try:
+        if ifname:
+            import fcntl
+            import struct
+
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                     struct.pack("256s", ifname[:15].encode()))
+            return socket.inet_ntoa(packed[20:24])
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "?"
+
+
+def ranks_by_host(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    """[(address, "hostname: ranks 0, 1")] per host of a Gloo `group` whose ranks span
+    hosts (global ranks), [] otherwise: what pycomm's DDP names when a collective fails
+    across hosts (Note [Peers in failure messages] in csrc/reducer/finalize.cpp).
+    Collective over `group` the first time; cached per group."""
+    if group.group_name not in _RANKS_BY_HOST:
+        _RANKS_BY_HOST[group.group_name] = _ranks_by_host(group)
+    return _RANKS_BY_HOST[group.group_name]
+
+
+def _ranks_by_host(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) < 2:
+        return []
+    where = all_gather_object((host_identity(), gloo_address()), group=group)
+    if len({identity for identity, _ in where}) < 2:
+        return []
+    hosts: dict[tuple[str, str], list[int]] = {}
+    for rank, key in zip(dist.get_process_group_ranks(group), where):
+        hosts.setdefault(key, []).append(rank)
+    return [(address, f"{identity.split('/')[0]}: rank{'s' if len(ranks) > 1 else ''} "
+                      f"{', '.join(map(str, ranks))}")
+            for (identity, address), ranks in hosts.items()]
 
 
 def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:

@@ -43,6 +43,7 @@ def _groups(rank, world_size):
         except RuntimeError as e:
             refused = str(e)
     return {"world": pycomm.shm.same_host_group(dist.group.WORLD),
+            "by_host": pycomm.shm.ranks_by_host(dist.group.WORLD),
             "local": None if local is None else dist.get_backend(local), "refused": refused}
 
 
@@ -74,6 +75,7 @@ def test_ddp_two_hosts_one_rank_each_equals_torch():
                                              group_timeout_s=30)]
     for v in values:
         assert v["world"] is None and v["gradient_backend"] == "gloo" and v["gradient_is_world"]
+        assert v["by_host"] == [("10.77.0.1", "host0: rank 0"), ("10.77.0.2", "host1: rank 1")]
 
 
 def test_ddp_two_hosts_two_ranks_each_uses_shared_memory_only_within_a_host():
@@ -85,6 +87,8 @@ def test_ddp_two_hosts_two_ranks_each_uses_shared_memory_only_within_a_host():
         # DDP reduces over the Gloo world group when its ranks span hosts.
         assert v["local"] == "pycomm", (rank, v)
         assert v["world"] is None and v["gradient_backend"] == "gloo", (rank, v)
+        assert v["by_host"] == [("10.77.0.1", "host0: ranks 0, 1"),
+                                ("10.77.0.2", "host1: ranks 2, 3")], (rank, v)
     for rank in (1, 2):
         assert "run on another host" in values[rank]["refused"], values[rank]
 
