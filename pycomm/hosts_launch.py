@@ -130,7 +130,8 @@ class Launch:
         return _read(self.specs[rank].base + ".out")
 
     def wait_for_output(self, rank: int, text: str, timeout: float = 60.0) -> None:
-        """Block until rank `rank` printed `text` (raise if it exits or time runs out)."""
+        """Block until rank `rank` printed `text`; if it exits first or time runs out,
+        kill every rank and raise RanksFailed with what each did."""
         deadline = time.monotonic() + timeout
         while text not in self.output(rank):
             if self.procs[rank].poll() is not None or time.monotonic() > deadline:
