@@ -1,12 +1,13 @@
 """Ranks inside pycomm's hosts (pycomm/hosts.py): what each rank runs, with which
 variables, and how a run is waited on and reported. The topology lives in hosts.py.
 
-Each rank is a fresh Python process entered into its host (`nsenter`), with torchrun's
-variables: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= the host),
-MASTER_ADDR/MASTER_PORT (host 0's address: rank 0 serves the TCPStore there, as on a
-cluster) and GLOO_SOCKET_IFNAME=eth0. A function target runs through `python -m
-pycomm.hosts_launch`, which makes the env:// Gloo group, calls it and pickles what it
-returned; stdout and stderr go to files, so a test can watch a rank's progress
+Each rank is a fresh Python process entered into its host (`ip netns exec`, then
+`nsenter --uts`), with torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK (= the host), MASTER_ADDR/MASTER_PORT (host 0's address: rank
+0 serves the TCPStore there, as on a cluster) and GLOO_SOCKET_IFNAME=eth0. A function
+target runs through `python -m pycomm.hosts_launch`, which makes the env:// Gloo group,
+calls it and pickles what it returned; stdout and stderr go to files, so a test can watch
+a rank's progress
 (`Launch.output`) and a failure reports every rank's tail.
 """
 
