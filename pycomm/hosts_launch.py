@@ -7,8 +7,7 @@ LOCAL_WORLD_SIZE, GROUP_RANK (= the host), MASTER_ADDR/MASTER_PORT (host 0's add
 0 serves the TCPStore there, as on a cluster) and GLOO_SOCKET_IFNAME=eth0. A function
 target runs through `python -m pycomm.hosts_launch`, which makes the env:// Gloo group,
 calls it and pickles what it returned; stdout and stderr go to files, so a test can watch
-a rank's progress
-(`Launch.output`) and a failure reports every rank's tail.
+a rank's progress (`Launch.output`) and a failure reports every rank's tail.
 """
 
 from __future__ import annotations
