@@ -27,6 +27,7 @@ from .ddp_compile import call_module, mark_skipped_frames, skipped_frame, warn_i
 from .ddp_delay import DelayedAllReduce
 from .ddp_join import DDPJoinHook, notify_join
 from .objects import all_gather_object
+from .shm import ranks_by_host
 
 
 class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
@@ -164,6 +165,9 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
                                     batched_grad_copy=c.batched_grad_copy,
                                     inline_collectives=c.inline_collectives,
                                     main_grad_only=c.main_grad_only)
+        # Whose address a Gloo error names, where the group spans hosts (the flat group or
+        # the hierarchical one's Gloo parts; [] on one host).
+        self.reducer.set_peer_hosts(ranks_by_host(self.process_group))
         self._comm_hook: Optional[tuple[Any, Callable]] = None
         self._set_main_grads()
         self._local_clip = attach_local_clip(self.reducer, c)

@@ -51,7 +51,6 @@ SUBNET = "10.77.0"
 IFNAME = "eth0"
 _counter = itertools.count()
 _available: Optional[str] = None
-_CHECKED = object()
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -105,7 +104,8 @@ def netns_names() -> list[str]:
 
 
 def remove_stale() -> list[str]:
-    """Remove namespaces and UTS files left by a process that no longer runs; return them."""
+    """Remove namespaces and UTS files left by a process that no longer runs (its pid is
+    gone; a reused pid only delays the removal); return their names."""
     removed = []
     for netns in netns_names():
         if not _pid_alive(_ours(netns)):
@@ -150,8 +150,8 @@ class Hosts:
 
     def __init__(self, n: int, link_gbit: Optional[float] = None,
                  burst_bytes: Optional[int] = None):
-        if n < 1:
-            raise ValueError(f"Hosts: n must be >= 1, got {n}")
+        if not 1 <= n <= 250:  # one /24
+            raise ValueError(f"Hosts: n must be in [1, 250], got {n}")
         self.n = n
         self.link_gbit = link_gbit
         self.burst_bytes = burst_bytes

@@ -1,13 +1,13 @@
 """Ranks inside pycomm's hosts (pycomm/hosts.py): what each rank runs, with which
 variables, and how a run is waited on and reported. The topology lives in hosts.py.
 
-Each rank is a fresh Python process entered into its host (`nsenter`), with torchrun's
-variables: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK (= the host),
-MASTER_ADDR/MASTER_PORT (host 0's address: rank 0 serves the TCPStore there, as on a
-cluster) and GLOO_SOCKET_IFNAME=eth0. A function target runs through `python -m
-pycomm.hosts_launch`, which makes the env:// Gloo group, calls it and pickles what it
-returned; stdout and stderr go to files, so a test can watch a rank's progress
-(`Launch.output`) and a failure reports every rank's tail.
+Each rank is a fresh Python process entered into its host (`ip netns exec`, then
+`nsenter --uts`), with torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, GROUP_RANK (= the host), MASTER_ADDR/MASTER_PORT (host 0's address: rank
+0 serves the TCPStore there, as on a cluster) and GLOO_SOCKET_IFNAME=eth0. A function
+target runs through `python -m pycomm.hosts_launch`, which makes the env:// Gloo group,
+calls it and pickles what it returned; stdout and stderr go to files, so a test can watch
+a rank's progress (`Launch.output`) and a failure reports every rank's tail.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ class Launch:
         return _read(self.specs[rank].base + ".out")
 
     def wait_for_output(self, rank: int, text: str, timeout: float = 60.0) -> None:
-        """Block until rank `rank` printed `text` (raise if it exits or time runs out)."""
+        """Block until rank `rank` printed `text`; if it exits first or time runs out,
+        kill every rank and raise RanksFailed with what each did."""
         deadline = time.monotonic() + timeout
         while text not in self.output(rank):
             if self.procs[rank].poll() is not None or time.monotonic() > deadline:

@@ -33,6 +33,7 @@ _SEGMENT_KEY = "pycomm/shm/segment"
 _SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _HIER_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _LAYOUTS: dict[str, HostLayout] = {}
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _HOST_KEY = "pycomm/shm/host/{}"
 _MAPPED_KEY = "pycomm/shm/mapped/{}"
 
@@ -57,9 +58,10 @@ class HostLayout:
     """Which ranks of a group share which host: `hosts[h]` lists host h's ranks (hosts in
     the order of their first rank, ranks in rank order)."""
 
-    def __init__(self, identities: list[str]):
+    def __init__(self, identities: list[str], addresses: list[str] | None = None):
         order = list(dict.fromkeys(identities))
         self.identities = identities
+        self.addresses = addresses  # each rank's Gloo address, where gathered
         self.hosts = [[r for r, ident in enumerate(identities) if ident == h] for h in order]
 
     def host_of(self, rank: int) -> int:
@@ -178,13 +180,51 @@ def host_layout(group: dist.ProcessGroup) -> HostLayout:
     """Which ranks of `group` share a host. Collective over `group` the first time; cached
     per group."""
     if group.group_name not in _LAYOUTS:
-        _LAYOUTS[group.group_name] = HostLayout(all_gather_object(host_identity(), group=group))
+        where = all_gather_object((host_identity(), gloo_address()), group=group)
+        _LAYOUTS[group.group_name] = HostLayout([i for i, _ in where], [a for _, a in where])
     return _LAYOUTS[group.group_name]
 
 
 def _pycomm_group_over(group: dist.ProcessGroup) -> dist.ProcessGroup:
     return dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
                           timeout=_group_timeout(group), use_local_synchronization=True)
+
+
+def gloo_address() -> str:
+    """The address this process's Gloo pairs bind to: GLOO_SOCKET_IFNAME's IPv4 address
+    when set, else the one the hostname resolves to (Gloo's own choice); "?" if neither."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0]
+    try:
+        if ifname:
+            import fcntl
+            import struct
+
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR,
+                                     struct.pack("256s", ifname[:15].encode()))
+            return socket.inet_ntoa(packed[20:24])
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "?"
+
+
+def ranks_by_host(group: dist.ProcessGroup) -> list[tuple[str, str]]:
+    """[(address, "hostname: ranks 0, 1")] per host of a Gloo `group` whose ranks span
+    hosts (global ranks), [] otherwise: what pycomm's DDP names when a collective fails
+    across hosts (Note [Peers in failure messages] in csrc/reducer/finalize.cpp).
+    Collective over `group` the first time (host_layout); cached per group."""
+    if dist.get_backend(group) != "gloo" or dist.get_world_size(group) < 2:
+        return []
+    layout = host_layout(group)  # the one gather per group, shared with same_host_group
+    if len(layout.hosts) < 2:
+        return []
+    where = list(zip(layout.identities, layout.addresses))
+    hosts: dict[tuple[str, str], list[int]] = {}
+    for rank, key in zip(dist.get_process_group_ranks(group), where):
+        hosts.setdefault(key, []).append(rank)
+    return [(address, f"{identity.split('/')[0]}: rank{'s' if len(ranks) > 1 else ''} "
+                      f"{', '.join(map(str, ranks))}")
+            for (identity, address), ranks in hosts.items()]
 
 
 def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:

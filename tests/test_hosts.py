@@ -20,7 +20,6 @@ import pycomm.shm
 from pycomm import hosts as hosts_mod
 from pycomm.hosts import Hosts, RanksFailed
 
-pytestmark = needs_hosts
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,6 +31,7 @@ def _who(rank, world_size):
             "master": os.environ["MASTER_ADDR"]}
 
 
+@needs_hosts
 def test_hosts_have_their_own_hostnames_and_reach_each_other():
     with Hosts(2) as hosts:
         results = hosts.run(_who, ranks_per_host=1, timeout=90)
@@ -61,6 +61,7 @@ def _send_over_the_link(rank, world_size):
     return time.perf_counter() - start
 
 
+@needs_hosts
 def test_a_shaped_link_limits_the_rate():
     with Hosts(2, link_gbit=_RATE_GBIT) as hosts:
         before = hosts.tx_bytes()
@@ -81,6 +82,7 @@ def _crash(rank, world_size):
     dist.barrier()
 
 
+@needs_hosts
 def test_a_crash_or_a_timeout_reports_every_rank_and_tears_down():
     with Hosts(2) as hosts:
         with pytest.raises(RanksFailed, match=r"(?s)rank 1 \(host 1\): exit 1.*rank 1 fails on "
@@ -95,6 +97,7 @@ def test_a_crash_or_a_timeout_reports_every_rank_and_tears_down():
         assert hosts.pids(0) == [] and hosts.pids(1) == []
 
 
+@needs_hosts
 def test_an_interrupt_tears_down():
     with pytest.raises(KeyboardInterrupt), Hosts(3, link_gbit=1.0) as hosts:
         hosts.spawn(1, ["sleep", "600"])
@@ -102,6 +105,7 @@ def test_an_interrupt_tears_down():
     assert not os.path.exists(hosts._uts[1])
 
 
+@needs_hosts
 def test_a_killed_run_is_removed_by_the_next():
     code = ("from pycomm.hosts import Hosts; import sys, time; h = Hosts(2, link_gbit=1.0)"
             ".open(); print(h.prefix, flush=True); time.sleep(600)")
@@ -115,3 +119,10 @@ def test_a_killed_run_is_removed_by_the_next():
     assert {f"{prefix}-0", f"{prefix}-1", f"{prefix}-sw"} <= set(removed), removed
     assert not any(n.startswith(prefix) for n in hosts_mod.netns_names())
     assert not any(f.startswith(prefix) for f in os.listdir(hosts_mod.UTS_DIR))
+
+
+def test_available_says_why_not_without_root(monkeypatch):
+    monkeypatch.setattr(hosts_mod, "_available", None)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    assert hosts_mod.available() == "needs root (network and UTS namespaces)"
+    assert Hosts.available() == "needs root (network and UTS namespaces)"

@@ -40,6 +40,7 @@ def _groups(rank, world_size):
         across = pycomm.shm.hierarchy(dist.new_group(
             [per_host - 1, per_host], backend="pycomm", use_local_synchronization=True))
     return {"world": pycomm.shm.same_host_group(dist.group.WORLD),
+            "by_host": pycomm.shm.ranks_by_host(dist.group.WORLD),
             "local": None if local is None else dist.get_backend(local), "across": across}
 
 
@@ -74,6 +75,7 @@ def test_ddp_two_hosts_one_rank_each_equals_torch():
                                              group_timeout_s=30)]
     for v in values:
         assert v["world"] is None and v["gradient_backend"] == "gloo" and v["gradient_is_world"]
+        assert v["by_host"] == [("10.77.0.1", "host0: rank 0"), ("10.77.0.2", "host1: rank 1")]
 
 
 def test_ddp_two_hosts_two_ranks_each_uses_shared_memory_only_within_a_host():
@@ -85,6 +87,8 @@ def test_ddp_two_hosts_two_ranks_each_uses_shared_memory_only_within_a_host():
         # the hierarchical path off, DDP reduces over the Gloo world group.
         assert v["local"] == "pycomm", (rank, v)
         assert v["world"] is None and v["gradient_backend"] == "gloo", (rank, v)
+        assert v["by_host"] == [("10.77.0.1", "host0: ranks 0, 1"),
+                                ("10.77.0.2", "host1: ranks 2, 3")], (rank, v)
     for rank in (1, 2):  # a "pycomm" group of ranks 1 and 2 spans the two hosts
         assert values[rank]["across"] == {"host": rank - 1, "hosts": 2, "local_rank": 0,
                                           "ranks_per_host": 1}, values[rank]

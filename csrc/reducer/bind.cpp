@@ -130,6 +130,8 @@ void bind_reducer(py::module& m) {
       .def("bucket_indices", &bucket_indices)
       .def("grad_view", &Reducer::grad_view, py::arg("index"))
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"))
+      .def("set_peer_hosts", &Reducer::set_peer_hosts, py::arg("hosts"),
+           "[(address, 'hostname: ranks ...')] per host, named in failure messages")
       .def("register_comm_hook",
            [](Reducer& r, py::object state, py::object hook) {
              r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),

@@ -23,6 +23,29 @@ std::string describe_params(const Bucket& bucket, const std::vector<std::string>
   return out.str();
 }
 
+// Note [Peers in failure messages]
+// Across hosts a bucket fails because a peer died (Gloo: "Read error [10.77.0.2]:41150:
+// Connection reset by peer") or went silent ("Timed out waiting 8000ms for recv"). Gloo
+// names a peer by address only, and for a timeout not at all; pycomm's DDP hands the
+// reducer each host's address and ranks (pycomm.shm.ranks_by_host), so the message names
+// the ranks behind the address, or lists the hosts when no address is named.
+std::string describe_peers(const std::string& error,
+                           const std::vector<std::pair<std::string, std::string>>& hosts) {
+  if (hosts.empty()) return "";
+  std::ostringstream named;
+  for (const auto& [address, who] : hosts) {
+    if (error.find("[" + address + "]") != std::string::npos) {
+      named << (named.tellp() > 0 ? "; " : "") << "the peer at " << address << " is " << who;
+    }
+  }
+  if (named.tellp() > 0) return " (" + named.str() + ")";
+  std::ostringstream all;
+  for (const auto& [address, who] : hosts) {
+    all << (all.tellp() > 0 ? "; " : "") << who << " at " << address;
+  }
+  return " (the group spans hosts: " + all.str() + ")";
+}
+
 }  // namespace
 
 void Reducer::finalize_backward() {
@@ -67,7 +90,7 @@ void Reducer::wait_bucket(Bucket& bucket) {
   state_ = State::kIdle;
   TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): the collective of bucket ", failed, " of ",
               buckets_.size(), " (", nbytes, " bytes; parameters ", members,
-              ") failed or timed out: ", error);
+              ") failed or timed out: ", error, describe_peers(error, peer_hosts_));
 }
 
 bool Reducer::globally_unused(size_t index) const {

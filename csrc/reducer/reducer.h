@@ -104,6 +104,11 @@ class Reducer {
   void set_launch_gate(LaunchGate gate);
   // The averaging divisor of the next steps (world size by default; join lowers it).
   void set_divide_factor(int64_t factor);
+  // Where the group's ranks are, for failure messages when it spans hosts: (address,
+  // "hostname: ranks ...") per host. See Note [Peers in failure messages] in finalize.cpp.
+  void set_peer_hosts(std::vector<std::pair<std::string, std::string>> hosts) {
+    peer_hosts_ = std::move(hosts);
+  }
 
   std::vector<StepTimeline> timelines(size_t n) const;
   const std::vector<std::unique_ptr<Bucket>>& buckets() const { return buckets_; }
@@ -164,6 +169,7 @@ class Reducer {
   ReducerOptions options_;
   int64_t rank_ = 0;
   int64_t div_factor_ = 1;
+  std::vector<std::pair<std::string, std::string>> peer_hosts_;
 
   std::vector<std::unique_ptr<Bucket>> buckets_;
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, slot)
