@@ -75,5 +75,7 @@ def test_a_link_down_fails_both_hosts_within_the_group_timeout(ranks_per_host):
             r.describe()
         assert "Timed out waiting" in r.stderr, r.describe()
         # A timeout names no peer: pycomm lists where the group's ranks are.
-        assert "(the group spans hosts: host0: rank 0 at 10.77.0.1; host1: rank 1 at " \
-               "10.77.0.2)" in r.stderr, r.describe()
+        spans = ("host0: rank 0 at 10.77.0.1; host1: rank 1 at 10.77.0.2"
+                 if ranks_per_host == 1 else
+                 "host0: ranks 0, 1 at 10.77.0.1; host1: ranks 2, 3 at 10.77.0.2")
+        assert f"(the group spans hosts: {spans})" in r.stderr, r.describe()
