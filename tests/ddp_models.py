@@ -256,3 +256,18 @@ def train_sgd(ddp: nn.Module, rank: int, steps: int = 3) -> list[torch.Tensor]:
         nn.functional.mse_loss(ddp(x), y).backward()
         opt.step()
     return [p.detach().clone() for p in ddp.parameters()]
+
+
+def train_against(ref: nn.Module, ours: nn.Module, rank: int, steps: int, exact: bool,
+                  model: str = "mlp") -> None:
+    """`steps` SGD steps of both DDP modules on the same inputs, gradients and then
+    parameters compared after each (assert_same's `exact`)."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
+    for step in range(steps):
+        for ddp, opt in zip((ref, ours), opts):
+            opt.zero_grad()
+            loss_of(ddp(make_input(model, rank, step))).backward()
+        assert_same(ref, ours, f"step {step}", exact=exact)
+        for opt in opts:
+            opt.step()
+    assert_same(ref, ours, "final", exact=exact, grads=False)

@@ -12,7 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, build, loss_of, make_input
+from ddp_models import assert_same, build, loss_of, make_input, train_against
 from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -52,19 +52,11 @@ def _ddp_against_torch(rank, world_size, steps=3):
     # default is the hierarchical all-reduce, tested in tests/test_hosts_hier.py.
     ours = pycomm.DistributedDataParallel(
         copy.deepcopy(base), config=pycomm.DDPConfig(hierarchical_allreduce=False))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
-    for step in range(steps):
-        for ddp, opt in zip((ref, ours), opts):
-            opt.zero_grad()
-            loss_of(ddp(make_input("mlp", rank, step))).backward()
-        # Both all-reduce one bucket of the same size with Gloo's same algorithm on the
-        # same group (pycomm's DDP falls back to the Gloo world group across hosts), and
-        # both scale by 1/world before the sum: the same additions in the same order, so
-        # bitwise equal at 2 ranks and at 4.
-        assert_same(ref, ours, f"step {step}", exact=True)
-        for opt in opts:
-            opt.step()
-    assert_same(ref, ours, "final", exact=True, grads=False)
+    # Both all-reduce one bucket of the same size with Gloo's same algorithm on the same
+    # group (pycomm's DDP falls back to the Gloo world group across hosts), and both scale
+    # by 1/world before the sum: the same additions in the same order, so bitwise equal at
+    # 2 ranks and at 4.
+    train_against(ref, ours, rank, steps, exact=True)
     return {**found, "gradient_backend": dist.get_backend(ours.gradient_group),
             "gradient_is_world": ours.gradient_group is ours.process_group}
 

@@ -15,7 +15,7 @@ import copy
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, build, loss_of, make_input
+from ddp_models import build, train_against
 from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -85,17 +85,9 @@ def _ddp_hierarchical(rank, world_size, steps=3):
     base = build("mlp")
     ref = TorchDDP(copy.deepcopy(base))
     ours = pycomm.DistributedDataParallel(copy.deepcopy(base))  # default: hierarchical
-    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ref, ours)]
-    for step in range(steps):
-        for ddp, opt in zip((ref, ours), opts):
-            opt.zero_grad()
-            loss_of(ddp(make_input("mlp", rank, step))).backward()
-        # Each element: (its host's two ranks added) + (the other host's), against Gloo's
-        # ring order over four ranks: fp32 rounding only (assert_same's 1e-5).
-        assert_same(ref, ours, f"step {step}", exact=False)
-        for opt in opts:
-            opt.step()
-    assert_same(ref, ours, "final", exact=False, grads=False)
+    # Each element: (its host's two ranks added) + (the other host's), against Gloo's ring
+    # order over four ranks: fp32 rounding only (assert_same's 1e-5).
+    train_against(ref, ours, rank, steps, exact=False)
     return pycomm.shm.hierarchy(ours.gradient_group)
 
 
