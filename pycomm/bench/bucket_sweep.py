@@ -209,12 +209,13 @@ def _body(args: tuple) -> tuple[str, SweepResult, dict]:
     cfg, model_name = args
     from .ddp import _model  # the models of `pycomm-bench ddp --models`
 
+    allocator = common.steady_allocator()  # before any model exists
     module, x = _model(model_name)
     result, steps = run(cfg, lambda: copy.deepcopy(module),
                         lambda ddp: ddp(x).float().square().mean())
     title = common.header(f"ddp --sweep-bucket-cap | model {model_name}", warmup=cfg.warmup,
                           rounds=cfg.rounds, steps=cfg.steps, threads=cfg.threads,
-                          ranks="slowest")
+                          ranks="slowest", allocator=allocator)
     return title, result, steps
 
 

@@ -228,14 +228,14 @@ def run(cfg: Config) -> list[Result]:
     return [r for name in cfg.models for r in run_model(cfg, name)]
 
 
-def format_results(cfg: Config, results: list[Result]) -> str:
+def format_results(cfg: Config, results: list[Result], allocator: str = "") -> str:
     compiled = {"compile": cfg.compile_backend} if cfg.compile else {}
     wire = any(r.wire_mb == r.wire_mb for r in results)
     where = {"hosts": cfg.hosts} if cfg.hosts else {}
     lines = [common.header("ddp step time (ms), medians of per-step max over ranks",
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
                            warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **compiled,
-                           **where),
+                           **where, **({"allocator": allocator} if allocator else {})),
              f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>14} {'step':>7} "
              f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7} "
              f"{'overlap':>7}" + (f" {'wire_MB':>7}" if wire else "")]
@@ -274,8 +274,9 @@ def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
 
 
 def _body(cfg: Config) -> tuple[str, list[Result]]:
+    allocator = common.steady_allocator()  # before any model exists
     results = run(cfg)
-    return format_results(cfg, results), results
+    return format_results(cfg, results, allocator), results
 
 
 def _hosts_rank(rank: int, world_size: int, cfg: Config) -> tuple[str, list[Result]]:
