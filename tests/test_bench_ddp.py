@@ -27,10 +27,14 @@ def test_compiled_rows_are_compared_with_torch_compiled_and_overlap_with_eager()
                                 _row("pycomm+compile", 150.0, 20.0, 0.875),
                                 _row("pycomm", 160.0, 30.0, 0.8))}
     lines = ddp._comparisons("mlp", rows)
-    assert lines[0].startswith("# mlp: pycomm+compile/torch+compile step 0.750,"), lines
-    assert "exposed 0.250" in lines[0], lines
+    # The floor is the fastest no_sync step (torch+compile's 200 - 80 ms here).
+    assert lines[0] == ("# mlp: floor (the fastest no_sync step, no communication) 120.0 ms: "
+                        "torch+compile/floor 1.667, pycomm+compile/floor 1.250, "
+                        "pycomm/floor 1.333"), lines
+    assert lines[1].startswith("# mlp: pycomm+compile/torch+compile step 0.750,"), lines
+    assert "exposed 0.250" in lines[1], lines
     assert lines[-1] == "# mlp: pycomm overlap compiled 0.88 vs eager 0.80 (+0.07)", lines
-    assert len(lines) == 2, lines  # eager pycomm has no eager torch row to be compared with
+    assert len(lines) == 3, lines  # eager pycomm has no eager torch row to be compared with
 
 
 _FAULTS = """

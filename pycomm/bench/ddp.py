@@ -66,6 +66,7 @@ class Config:
     compile: bool = False
     compile_backend: str = "inductor"
     hosts: str = ""  # "2 hosts x 2 ranks, link 1 Gbit/s (tbf)" for a --hosts run
+    samples: int = 32  # the MLP's batch per rank
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -105,11 +106,12 @@ class _Model(nn.Module):
         return self.net(x)
 
 
-def _model(name: str) -> tuple[nn.Module, torch.Tensor]:
+def _model(name: str, samples: int = 32) -> tuple[nn.Module, torch.Tensor]:
+    """The model and one rank's input; `samples` is the MLP's batch per rank."""
     torch.manual_seed(0)
     if name == "mlp":  # 6 x (2048 x 2048) ~ 25.2M parameters
         layers = [m for _ in range(6) for m in (nn.Linear(2048, 2048), nn.ReLU())]
-        return _Model(nn.Sequential(*layers)), torch.randn(32, 2048)
+        return _Model(nn.Sequential(*layers)), torch.randn(samples, 2048)
     if name in _TRANSFORMER_BATCH:  # 8 encoder layers, d_model 512, ff 2048 ~ 25.2M params
         layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
         return (_Model(nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)),
@@ -186,7 +188,7 @@ def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
 
 
 def run_model(cfg: Config, name: str) -> list[Result]:
-    module, x = _model(name)
+    module, x = _model(name, cfg.samples)
     variants = cfg.variants()
     runs = {}
     for variant in variants:
@@ -257,6 +259,9 @@ def format_results(cfg: Config, results: list[Result], allocator: str = "") -> s
 def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
     """Each row against torch's of the same mode; compiled pycomm's overlap against eager."""
     lines = []
+    floor = min(r.no_sync_step_ms for r in rows.values())
+    lines.append(f"# {name}: floor (the fastest no_sync step, no communication) {floor:.1f} ms: " +
+                 ", ".join(f"{impl}/floor {r.step_ms / floor:.3f}" for impl, r in rows.items()))
     for impl, p in rows.items():
         t = rows.get("torch" + COMPILED if impl.endswith(COMPILED) else "torch")
         if t is None or p is t:
@@ -311,6 +316,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                    help=f"comma list of {tuple(IMPLS)}, timed side by side")
     p.add_argument("--bucket-cap-mb", type=float, default=Config.bucket_cap_mb)
+    p.add_argument("--samples", type=int, default=Config.samples,
+                   help=f"the MLP's batch per rank (default {Config.samples})")
     p.add_argument("--reps", type=int, default=Config.reps)
     p.add_argument("--steps", type=int, default=Config.steps, help="timed steps per rep")
     p.add_argument("--warmup", type=int, default=Config.warmup)
@@ -336,7 +343,7 @@ def main(ns: argparse.Namespace) -> int:
         link = "unshaped" if ns.link_gbit is None else f"{ns.link_gbit:g} Gbit/s (tbf)"
         hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
     cfg = Config(tuple(ns.models.split(",")), impls, ns.bucket_cap_mb, ns.warmup, ns.reps,
-                 ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts)
+                 ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts, ns.samples)
     if ns.hosts:
         backend, world = "gloo", ns.hosts * ns.ranks_per_host
         text, results = _run_on_hosts(cfg, ns)
