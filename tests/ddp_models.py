@@ -127,7 +127,9 @@ def make_input(model: str, rank: int, step: int, batch: int = 4) -> torch.Tensor
 
 def build(model: str) -> nn.Module:
     torch.manual_seed(7)
-    return {"mlp": MLP, "convbn": ConvBN, "attn": Attn, "tied": Tied,
+    # "wide": 1 MiB weights, past the reducer's streamed-copy threshold (Note [Streaming
+    # copies]); the others are all below it.
+    return {"mlp": MLP, "wide": lambda: MLP(512), "convbn": ConvBN, "attn": Attn, "tied": Tied,
             "branchy": Branchy, "rankdep": lambda: Branchy(True),
             "ckpt_reentrant_shared": lambda: Checkpointed(True, True),
             "ckpt_reentrant": lambda: Checkpointed(True, False),

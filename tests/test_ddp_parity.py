@@ -22,6 +22,7 @@ def _models_and_caps(rank, world_size):
         for j, cap in enumerate((TINY, DEFAULT, ONE)):
             lockstep(rank, model, bucket_cap_mb=cap, gradient_as_bucket_view=(i + j) % 2 == 1)
     lockstep(rank, "mlp", bucket_cap_mb_list=[0.001, 0.002])
+    lockstep(rank, "wide", no_sync_every=2)  # streamed copies in and out (1 MiB weights)
     lockstep(rank, "mlp", gradient_as_bucket_view=True, zero_to_none=False)
 
 
@@ -36,6 +37,10 @@ def _three_ranks(rank, world_size):
     for model in ("mlp", "attn"):
         lockstep(rank, model, bucket_cap_mb=DEFAULT)
         lockstep(rank, model, bucket_cap_mb=ONE, gradient_as_bucket_view=True)
+    # Streamed copies scaled by 1/3, in and out (1 MiB weights). One bucket: with torch's
+    # default caps a 16 KB weight that is not streamed differed by 1e-10 at step 1 (the
+    # 3-term ring sum ordered differently), as with TINY caps below.
+    lockstep(rank, "wide", bucket_cap_mb=ONE)
     # One parameter per bucket: pycomm overlaps from step 1 where torch uses one bucket, so
     # chunk boundaries (hence the 3-term summation order) differ: fp32 tolerance.
     lockstep(rank, "convbn", bucket_cap_mb=TINY, exact=False)

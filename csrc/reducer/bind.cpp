@@ -3,6 +3,7 @@
 #include "reducer/bind.h"
 
 #include "reducer/reducer.h"
+#include "reducer/stream_copy.h"
 
 namespace pycomm {
 
@@ -87,6 +88,11 @@ using ReducerHolder = std::unique_ptr<Reducer, ReleaseGilDelete>;
 }  // namespace
 
 void bind_reducer(py::module& m) {
+  m.def("_stream_copy", &reducer::stream_copy, py::arg("dst"), py::arg("src"),
+        py::arg("scale") = std::nullopt,
+        "The reducer's gradient copy with non-temporal stores (Note [Streaming copies]): "
+        "dst = src (* float(scale)); False, touching nothing, where it does not apply.");
+  m.attr("_STREAM_COPY_MIN_BYTES") = reducer::kStreamCopyMinBytes;
   m.def("assign_buckets", &reducer::assign_buckets, py::arg("params"), py::arg("order"),
         py::arg("byte_limits"), py::arg("groups") = std::vector<int64_t>{},
         "Greedy bucket assignment of params (in `order`) per (device, dtype), keeping "

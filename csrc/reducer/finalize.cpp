@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "reducer/reducer.h"
+#include "reducer/stream_copy.h"
 
 namespace pycomm::reducer {
 
@@ -118,8 +119,8 @@ void Reducer::finalize_bucket(Bucket& bucket) {
       }
     } else if (!grad.defined()) {
       grad = torch::autograd::utils::clone_obey_contract(view, param).to(param.scalar_type());
-    } else {
-      grad.copy_(view);
+    } else if (grad.requires_grad() || !stream_copy(grad, view, std::nullopt)) {
+      grad.copy_(view);  // (See Note [Streaming copies] in stream_copy.cpp)
     }
   }
 }

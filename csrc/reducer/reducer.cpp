@@ -1,5 +1,6 @@
 // The reducer's hot path: hooks, gradient copy into buckets, launch (see reducer.h).
 #include "reducer/reducer.h"
+#include "reducer/stream_copy.h"
 
 #include <ATen/ScalarOps.h>
 #include <torch/csrc/autograd/engine.h>
@@ -232,7 +233,8 @@ void Reducer::begin_backward_locked() {
   const c10::Device device = buckets_.front()->buffer.device();
   stamps_ = options_.record_timeline && !device.is_cpu()
                 ? std::make_shared<DeviceStamps>(device) : nullptr;
-  scale_ = at::native::wrapped_scalar_tensor(1.0 / static_cast<double>(div_factor_));
+  scale_value_ = 1.0 / static_cast<double>(div_factor_);
+  scale_ = at::native::wrapped_scalar_tensor(scale_value_);
   queue_finalize();
   for (size_t index : unused_) ++buckets_[locator_[index].first]->unused;
   for (size_t index : unused_) mark_ready(index, /*used=*/false);
@@ -312,11 +314,11 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
     return;
   }
   if (!divide) {
-    view.copy_(grad);
+    if (grad.requires_grad() || !stream_copy(view, grad, std::nullopt)) view.copy_(grad);
   } else if (grad.requires_grad()) {
     view.copy_(at::mul(grad, scale_));  // create_graph=True: keep grad's graph out
-  } else {
-    at::mul_out(view, grad, scale_);
+  } else if (!stream_copy(view, grad, scale_value_)) {
+    at::mul_out(view, grad, scale_);  // See Note [Streaming copies] in stream_copy.cpp
   }
   if (options_.gradient_as_bucket_view) grad = view;
 }

@@ -197,6 +197,7 @@ class Reducer {
   std::vector<int32_t> hook_counts_;
   std::vector<int32_t> expected_hooks_;
   at::Tensor scale_;                   // 1 / div_factor_, a wrapped scalar
+  double scale_value_ = 1.0;           // the same, for stream_copy
   int64_t step_ = 0;
 
   // Usage tracking (find_unused_parameters, and the first step of static_graph).
