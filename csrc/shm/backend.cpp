@@ -91,6 +91,19 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType 
                                                    bool blocking) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   uint64_t seq = next_seq_++;
+  // A blocking call on an idle lane runs here and returns its Work already completed: no
+  // task is queued (See Note [Waiting helps]).
+  if (blocking && lane->run_if_idle([&] {
+        std::exception_ptr error;
+        try {
+          run(op, seq, body);
+        } catch (...) {
+          error = std::current_exception();
+        }
+        work->complete(error);
+      })) {
+    return work;
+  }
   Executor::Body task = [this, op, seq, body = std::move(body)] { run(op, seq, body); };
   if (blocking) {
     lane->run_or_submit(work, std::move(task));
