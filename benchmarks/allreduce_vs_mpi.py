@@ -149,6 +149,20 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
+def markdown(meta: dict) -> str:
+    """One run's record: command, machine, load, the table and the targets."""
+    loads = "; ".join(f"{a[0]:.2f}" for a in meta["loadavg_per_rep"])
+    return (f"### Run of {meta['date']} (commit {meta['commit']})\n\n"
+            f"```\n{meta['command']}\n```\n\n"
+            f"Machine: {meta['host']}, {meta['cores']} CPU cores ({meta['cpu']}), shared; "
+            f"{meta['mpi_library']}; torch {meta['torch']}; launched as `{meta['mpirun']}`."
+            f"\n\n`uptime` at start: `{meta['uptime_start_end'][0]}`\n\n"
+            f"`uptime` at end: `{meta['uptime_start_end'][1]}`\n\n"
+            f"1-minute load average before the first round of blocks and after each: {loads}"
+            f"\n\nStatistic: {meta['statistic']}.\n\n```\n{table(meta['rows'])}\n```\n\n"
+            "Targets (issue 15):\n\n" + "\n".join(verdicts(meta["rows"])) + "\n")
+
+
 def _uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
@@ -170,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mpirun-args", default="", help="extra mpirun arguments, one string")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole run")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=None, help="also write the run's Markdown record here")
     ns = ap.parse_args(argv)
     reason = missing()
     if reason:
@@ -205,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(meta, f, indent=1)
+    if ns.md:
+        with open(ns.md, "w") as f:
+            f.write(markdown(meta))
     return 1 if wrong else 0
 
 
