@@ -159,8 +159,14 @@ def markdown(meta: dict) -> str:
             f"\n\n`uptime` at start: `{meta['uptime_start_end'][0]}`\n\n"
             f"`uptime` at end: `{meta['uptime_start_end'][1]}`\n\n"
             f"1-minute load average before the first round of blocks and after each: {loads}"
-            f"\n\nStatistic: {meta['statistic']}.\n\n```\n{table(meta['rows'])}\n```\n\n"
+            f"\n\nStatistic: {meta['statistic']}.\n\npycomm's waits over the run (rank 0, "
+            f"rank 1): {_waits(meta['pycomm_stats_per_rank'])}.\n\n"
+            f"```\n{table(meta['rows'])}\n```\n\n"
             "Targets (issue 15):\n\n" + "\n".join(verdicts(meta["rows"])) + "\n")
+
+
+def _waits(stats: list[dict]) -> str:
+    return "; ".join(f"{s['waits']} waits, {s['waits_slept']} slept" for s in stats)
 
 
 def _uptime() -> str:
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
             "statistic": "median over blocks; back to back: time / N of N calls; per call: "
                          "median of calls each after a barrier; max over ranks",
             **{k: raw[k] for k in ("world", "impls", "mpi_library", "torch", "pycomm",
-                                   "loadavg_per_rep")},
+                                   "loadavg_per_rep", "pycomm_stats_per_rank")},
             "rows": summarise(raw)}
     print(f"# all_reduce float32 sum | world {meta['world']} | reps {ns.reps} | "
           f"{meta['mpi_library']} | torch {meta['torch']} | pycomm {meta['pycomm']} "

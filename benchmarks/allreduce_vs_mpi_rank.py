@@ -235,12 +235,16 @@ def main() -> None:
     for key, row in rows.items():
         row["wrong"] = None if wrong[key] < 0 else wrong[key]
         row["iters"], row["samples"] = _iters(key[1])[1:]
+    # How pycomm's waits ended over the whole run, per rank: under load, waits that slept
+    # (a futex wake-up costs 60-250 us on this VM) are what stretches its times.
+    stats = comm.gather(pycomm.shm.stats(), root=0)
     if rank == 0:
         with open(ns.out, "w") as f:
             json.dump({"world": world, "impls": names, "mpi_library": MPI.Get_library_version()
                        .splitlines()[0].strip(), "torch": torch.__version__,
                        "pycomm": pycomm.__version__, "loadavg_per_rep": loads,
-                       "rows": list(rows.values())}, f, indent=1)
+                       "pycomm_stats_per_rank": stats, "rows": list(rows.values())}, f,
+                      indent=1)
     dist.destroy_process_group()
 
 
