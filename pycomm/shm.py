@@ -1,8 +1,9 @@
 """The "pycomm" torch.distributed backend: shared-memory collectives between the ranks of
 one host, implemented in C++ (csrc/shm/), and the hierarchical all-reduce for groups that
 span hosts (shared memory within each host, Gloo across; See Note [Hierarchical
-all-reduce] in csrc/shm/hier.h). This module owns its registration and its rendezvous;
-the collectives, waits and Work objects live in the extension.
+all-reduce] in csrc/shm/hier.h). This module owns its registration, its rendezvous and
+the Python face of the direct all-reduce (`all_reduce`); the collectives, waits and Work
+objects live in the extension.
 
 Rendezvous goes only through the c10d store torch hands the creator (already prefixed per
 group): every rank publishes a host identity (hostname and kernel boot id). The ranks of

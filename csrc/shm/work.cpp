@@ -34,7 +34,7 @@ bool ShmWork::wait(std::chrono::milliseconds timeout) {
 // get_future() users need the future. Making it up front and completing it costs every
 // operation two allocations (the future, the list of outputs) and a completion nobody
 // watches (with the pre-completed Work of Note [Waiting helps], backend.allreduce().wait()
-// of 4 bytes went from 2.2-2.3 to 1.9-2.1 us, separate runs on this 2-core VM). So the
+// of 4 bytes went from 2.2-2.3 to 1.8-2.0 us, separate runs on this 2-core VM). So the
 // future is made on first request: by complete()'s thread if it was requested before the
 // operation ended, else by getFuture() itself, already completed. `done_` under
 // `future_mutex_` decides which of the two settles it; settling happens outside the lock
