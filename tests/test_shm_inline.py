@@ -4,6 +4,7 @@ csrc/shm/work.cpp). The oracle is dist.all_reduce on the same group. Data is
 integer-valued, so every result is exact (bit-equal) whatever the order of the sums."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -126,3 +127,18 @@ def _futures(rank, world):
 
 def test_futures_made_on_request_complete_like_eager_ones():
     run_ranks(_futures, backend="pycomm")
+
+
+def _peer_never_comes(rank, world):
+    if rank == 1:
+        time.sleep(3.5)  # past the group's timeout
+        return
+    with pytest.raises(dist.DistBackendError,
+                       match=r"pycomm all_reduce .*timed out after 2000 ms waiting for rank 1"):
+        pycomm.shm.all_reduce(torch.ones(3))
+    with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
+        pycomm.shm.all_reduce(torch.ones(3))
+
+
+def test_direct_all_reduce_fails_like_dist_all_reduce():
+    run_ranks(_peer_never_comes, backend="pycomm", group_timeout_s=2.0)
