@@ -241,7 +241,7 @@ def main() -> None:
     if rank == 0:
         with open(ns.out, "w") as f:
             json.dump({"world": world, "impls": names, "mpi_library": MPI.Get_library_version()
-                       .splitlines()[0].strip(), "torch": torch.__version__,
+                       .splitlines()[0].strip(" \x00"), "torch": torch.__version__,
                        "pycomm": pycomm.__version__, "loadavg_per_rep": loads,
                        "pycomm_stats_per_rank": stats, "rows": list(rows.values())}, f,
                       indent=1)
