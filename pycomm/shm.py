@@ -1,8 +1,9 @@
 """The "pycomm" torch.distributed backend: shared-memory collectives between the ranks of
 one host, implemented in C++ (csrc/shm/), and the hierarchical all-reduce for groups that
 span hosts (shared memory within each host, Gloo across; See Note [Hierarchical
-all-reduce] in csrc/shm/hier.h). This module owns its registration and its rendezvous;
-the collectives, waits and Work objects live in the extension.
+all-reduce] in csrc/shm/hier.h). This module owns its registration, its rendezvous and
+the Python face of the direct all-reduce (`all_reduce`); the collectives, waits and Work
+objects live in the extension.
 
 Rendezvous goes only through the c10d store torch hands the creator (already prefixed per
 group): every rank publishes a host identity (hostname and kernel boot id). The ranks of
@@ -20,6 +21,7 @@ import datetime
 import os
 import secrets
 import socket
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,11 @@ _HIER_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _LAYOUTS: dict[str, HostLayout] = {}
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _HOST_KEY = "pycomm/shm/host/{}"
+# id(group) -> its _C.ShmBackend, or None where all_reduce must go through
+# torch.distributed; an entry leaves with its group (a plain dict by id: half the lookup
+# time of a WeakKeyDictionary, which all_reduce pays on every call).
+_INLINE: dict[int, _C.ShmBackend | None] = {}
+_UNSEEN = object()
 _MAPPED_KEY = "pycomm/shm/mapped/{}"
 
 
@@ -167,6 +174,40 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
         raise ValueError(f"pycomm.shm.stats: group {group.group_name!r} uses backend "
                          f"{dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
     return dict(backend.stats())
+
+
+def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+               group: dist.ProcessGroup | None = None) -> None:
+    """``dist.all_reduce(tensor, op, group)`` (blocking, in place; ``op`` one of
+    ``dist.ReduceOp.SUM``, ``AVG``, ``MAX``, ``MIN``, ``PRODUCT``) on a "pycomm" group
+    without torch.distributed's layers: no Python wrapper, no dispatcher, no Work or
+    future. For latency-critical small tensors (up to a few KiB it costs a fraction of
+    ``dist.all_reduce``: README, "A small all-reduce, part by part"). It keeps the issue
+    order with the group's other operations, whatever thread issued them, and raises what
+    ``dist.all_reduce`` raises; on another backend, or a group spanning hosts, it is
+    ``dist.all_reduce`` itself. See Note [Inline all-reduce] in csrc/shm/backend.cpp."""
+    if group is None:
+        group = dist.group.WORLD
+    backend = _INLINE.get(id(group), _UNSEEN)
+    if backend is _UNSEEN:
+        backend = _inline_backend(group)
+    if backend is None:
+        dist.all_reduce(tensor, op=op, group=group)
+    else:
+        backend.allreduce_inline(tensor, op)
+
+
+def _inline_backend(group: dist.ProcessGroup | None) -> _C.ShmBackend | None:
+    if group is None:
+        raise RuntimeError("pycomm.shm.all_reduce: torch.distributed is not initialized")
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no CPU backend in this group
+        backend = None
+    backend = backend if isinstance(backend, _C.ShmBackend) else None
+    _INLINE[id(group)] = backend
+    weakref.finalize(group, _INLINE.pop, id(group), None)
+    return backend
 
 
 def _group_timeout(group: dist.ProcessGroup) -> datetime.timedelta | None:

@@ -1,6 +1,7 @@
 // all_reduce over the slots of a segment: one phase for small buffers, a pipelined
 // reduce-scatter + all-gather for the rest (see Note [All-reduce paths]).
 #include <c10/util/Exception.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <cstring>
@@ -35,6 +36,8 @@ namespace {
 // step reaches 2(k - S) + 4 (steps counted from the operation's start). When the
 // operation ends every rank has seen every other reach its final step, like a phase.
 constexpr size_t kWholeReduceBytes = 256 * 1024;
+// Ranks whose source pointers a small all-reduce keeps on the stack (no allocation).
+constexpr unsigned kInlinePeers = 16;
 
 // Element range [lo, lo + len) of the part that `owner` reduces in a chunk of `n`.
 struct Parts {
@@ -63,7 +66,7 @@ void Channel::allreduce_whole(char* data, int64_t n, c10::ScalarType dtype,
                               c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
   std::memcpy(begin_round(), data, n * c10::elementSize(dtype));
   phase(ctx);
-  std::vector<const void*> srcs(world_);
+  c10::SmallVector<const void*, kInlinePeers> srcs(world_);
   for (int p = 0; p < world_; ++p) srcs[p] = p == rank_ ? data : peer_slot(p);
   reduce_buffers(dtype, op, data, srcs.data(), world_, n, world_);
 }

@@ -91,6 +91,19 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType 
                                                    bool blocking) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   uint64_t seq = next_seq_++;
+  // A blocking call on an idle lane runs here and returns its Work already completed: no
+  // task is queued (See Note [Waiting helps]).
+  if (blocking && lane->run_if_idle([&] {
+        std::exception_ptr error;
+        try {
+          run(op, seq, body);
+        } catch (...) {
+          error = std::current_exception();
+        }
+        work->complete(error);
+      })) {
+    return work;
+  }
   Executor::Body task = [this, op, seq, body = std::move(body)] { run(op, seq, body); };
   if (blocking) {
     lane->run_or_submit(work, std::move(task));
@@ -135,16 +148,47 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& te
   }, opts);
 }
 
+void ShmBackend::allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op,
+                                const OpContext& ctx) {
+  Dense d(t);
+  channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, ctx);
+  d.write_back();
+}
+
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                      const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single("all_reduce", tensors);
   check_reduction("all_reduce", t.scalar_type(), opts.reduceOp);
   auto op = opts.reduceOp.op_;
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t}, [this, t, op](const OpContext& c) {
-    Dense d(t);
-    channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, c);
-    d.write_back();
-  }, opts);
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t},
+                 [this, t, op](const OpContext& c) { allreduce_body(t, op, c); }, opts);
+}
+
+// Note [Inline all-reduce]
+// What a blocking dist.all_reduce costs beyond the exchange (torch's Python wrapper, the
+// dispatcher, a Work) is several times the exchange itself for small tensors (README,
+// "A small all-reduce, part by part"). pycomm.shm.all_reduce comes straight here: when the
+// collectives' lane is idle the exchange runs on the calling thread with the lane held
+// (Executor::run_if_idle), so operations other threads issue meanwhile queue behind it as
+// behind any operation; it takes its sequence number from the same counter and obeys the
+// same failure rule (ShmBackend::run). When the lane is not idle (asynchronous operations
+// still queued or running), it goes through allreduce() and waits, keeping issue order.
+void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedOpType type) {
+  const c10d::ReduceOp op(type);
+  check_dense("all_reduce", tensor);
+  check_reduction("all_reduce", tensor.scalar_type(), op);
+  const bool ran = collectives_->run_if_idle([&] {
+    run("all_reduce", next_seq_++,
+        [&](const OpContext& c) { allreduce_body(tensor, type, c); });
+  });
+  if (ran) return;
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = op;
+#if PYCOMM_TORCH_AT_LEAST(2, 8)
+  opts.asyncOp = false;
+#endif
+  allreduce(tensors, opts)->wait();
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(

@@ -34,6 +34,11 @@ class ShmBackend : public c10d::Backend {
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override;
+  // A blocking all_reduce with no Work and no future: run on the calling thread when the
+  // collectives' lane is idle, else queued behind what is there and waited for
+  // (pycomm.shm.all_reduce; See Note [Inline all-reduce]).
+  // `type`, not a ReduceOp: what dist.ReduceOp.SUM is in Python, passed with no conversion.
+  void allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedOpType type);
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
@@ -99,6 +104,8 @@ class ShmBackend : public c10d::Backend {
   }
   void stop();
   void run(const char* op, uint64_t seq, const Body& body);
+  void allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op,
+                      const OpContext& ctx);
   c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
                                              const at::Tensor& input,
                                              const c10d::AllgatherOptions& opts);

@@ -24,6 +24,9 @@ void bind_shm(pybind11::module& m) {
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
            py::arg("create"), py::call_guard<py::gil_scoped_release>())
+      .def("allreduce_inline", &shm::ShmBackend::allreduce_inline, py::arg("tensor"),
+           py::arg("op"), py::call_guard<py::gil_scoped_release>(),
+           "A blocking all_reduce in place with no Work (see pycomm.shm.all_reduce).")
       .def("stats", &shm::ShmBackend::stats,
            "Counters since the group was created (see pycomm.shm.stats).")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),

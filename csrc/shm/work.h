@@ -7,12 +7,14 @@
 // A blocking collective thus costs no thread hand-off, while asynchronous ones still
 // progress on the worker without anybody waiting. A call that torch marks blocking
 // (asyncOp false in its options: the caller waits on the Work right after) goes further:
-// when the lane is idle it runs at once on the calling thread and the worker is not even
-// woken (Executor::run_or_submit): no wake-up of a thread that would find nothing to do,
-// which on a busy 2-core machine preempts the peer rank.
+// when the lane is idle it runs at once on the calling thread, which gets its Work back
+// completed (Executor::run_if_idle; else Executor::run_or_submit, which runs it here if
+// the lane has become idle) and the worker is not even woken: no wake-up of a thread that
+// would find nothing to do, which on a busy 2-core machine preempts the peer rank.
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <atomic>
@@ -37,6 +39,7 @@ class ShmWork : public c10d::Work {
           std::shared_ptr<Executor> executor);
 
   bool wait(std::chrono::milliseconds timeout = kNoTimeout) override;
+  // Made on first request (See Note [Lazy future]).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
 
@@ -44,9 +47,15 @@ class ShmWork : public c10d::Work {
   void complete(std::exception_ptr error);
 
  private:
+  static void settle(c10::ivalue::Future& future, const std::vector<at::Tensor>& outputs,
+                     const std::exception_ptr& error);
+
   std::vector<at::Tensor> outputs_;
   std::shared_ptr<Executor> executor_;
+  std::mutex future_mutex_;  // guards the three below
   c10::intrusive_ptr<c10::ivalue::Future> future_;
+  bool done_ = false;
+  std::exception_ptr error_;
 };
 
 // How a lane's operations ran (see ShmBackend::stats).
@@ -67,6 +76,11 @@ class Executor {
   // Run `body` on this thread now when the lane is idle, else submit it (See Note
   // [Waiting helps]).
   void run_or_submit(c10::intrusive_ptr<ShmWork> work, Body body);
+  // Run `fn` on this thread now, with no Work, when the lane is idle (nothing running or
+  // queued) and return true; else return false without running it. The lane counts as
+  // busy meanwhile, so operations issued by other threads queue behind it.
+  template <typename F>
+  bool run_if_idle(F&& fn);
   // Run queued operations on this thread while the worker is idle, until `work` has run
   // or is running elsewhere.
   void help(const ShmWork* work);
@@ -91,5 +105,29 @@ class Executor {
   std::atomic<uint64_t> on_caller_{0}, on_worker_{0}, idle_wakeups_{0};
   std::thread thread_;
 };
+
+template <typename F>
+bool Executor::run_if_idle(F&& fn) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(!stop_, "pycomm shm: the process group has been shut down");
+    if (busy_ || !queue_.empty()) return false;
+    busy_ = true;
+  }
+  on_caller_.fetch_add(1, std::memory_order_relaxed);
+  // Release the lane whatever `fn` does, and hand on what others queued meanwhile.
+  struct Release {
+    Executor& e;
+    ~Release() {
+      std::unique_lock<std::mutex> lock(e.mutex_);
+      e.busy_ = false;
+      bool more = !e.queue_.empty();
+      lock.unlock();
+      if (more) e.cv_.notify_one();
+    }
+  } release{*this};
+  fn();
+  return true;
+}
 
 }  // namespace pycomm::shm
