@@ -1,7 +1,8 @@
 """benchmarks/allreduce_vs_mpi.py, the comparison with Open MPI (issue 15), at a few
 sizes: every implementation ran, every all-reduce's sum was right, the output parses. No
-timing is asserted. Without mpirun or mpi4py (installed by .ci/run where it can) the run
-itself is skipped with the reason, and the script's own skip is checked instead."""
+timing is asserted. Without mpirun or mpi4py (Open MPI installed by .ci/run where it can,
+mpi4py by the `test` extra) the run itself is skipped with the reason, and the script's
+own skip is checked instead."""
 
 from __future__ import annotations
 
