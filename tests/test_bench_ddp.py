@@ -66,3 +66,26 @@ def test_steady_allocator_stops_gradient_sized_blocks_faulting_after_the_first_s
         assert sum(faults[1:]) < 5000, faults
     else:
         assert sum(faults[1:]) > 20000, faults  # what the setting is for
+
+
+def _clipped_steps(rank, world_size):
+    import torch
+    from torch import nn
+
+    x = torch.randn(4, 8)
+    for impl in ("torch", "pycomm"):
+        torch.manual_seed(0)
+        model = ddp.IMPLS[impl](nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # the grads stay as clipped
+        for no_sync in (False, True):
+            ddp._timed(model, model, opt, x, 2, no_sync, clip_norm=1e-3)
+            norm = torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in model.parameters()]))
+            assert norm <= 1e-3 * (1 + 1e-5), (impl, no_sync, norm)
+
+
+def test_clip_runs_each_implementations_clipping_in_both_modes():
+    # --clip: without it these gradients' norm is about 0.6; with it every step's is clipped.
+    from multirank import run_ranks
+
+    run_ranks(_clipped_steps, 2)

@@ -26,12 +26,14 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from ..clip import clip_grad_norm_ as pycomm_clip_grad_norm_
 from ..config import DDPConfig
 from ..ddp import DistributedDataParallel as PycommDDP
 from . import bucket_sweep, common
@@ -67,6 +69,7 @@ class Config:
     compile_backend: str = "inductor"
     hosts: str = ""  # "2 hosts x 2 ranks, link 1 Gbit/s (tbf)" for a --hosts run
     samples: int = 32  # the MLP's batch per rank
+    clip: float = 0.0  # max_norm of each implementation's gradient clipping; 0: none
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -134,8 +137,10 @@ def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.
     return ddp, ddp
 
 
-def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tuple[float, ...]:
-    """(wall, backward wall, process CPU) seconds of one training step."""
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+          clip: Optional[Callable[[], object]] = None) -> tuple[float, ...]:
+    """(wall, backward wall, process CPU) seconds of one training step; `clip` runs
+    between backward and the optimizer."""
     cpu = time.process_time()
     start = time.perf_counter()
     opt.zero_grad()
@@ -143,19 +148,36 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> tupl
     bwd = time.perf_counter()
     loss.backward()
     bwd_end = time.perf_counter()
+    if clip is not None:
+        clip()
     opt.step()
     return time.perf_counter() - start, bwd_end - bwd, time.process_time() - cpu
 
 
-def _timed(model, ddp, opt, x, steps: int, no_sync: bool) -> list[tuple[float, ...]]:
+def _clipper(ddp: nn.Module, max_norm: float, no_sync: bool) -> Optional[Callable[[], object]]:
+    """Each implementation's own gradient clipping (None when max_norm is 0): pycomm's
+    DDP.clip_grad_norm_ on synchronized steps and its fused pycomm.clip_grad_norm_ under
+    no_sync (local gradients); torch's clip_grad_norm_ (foreach) in both."""
+    if not max_norm:
+        return None
+    if isinstance(ddp, PycommDDP):
+        if no_sync:
+            return lambda: pycomm_clip_grad_norm_(ddp.parameters(), max_norm)
+        return lambda: ddp.clip_grad_norm_(max_norm)
+    return lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), max_norm)
+
+
+def _timed(model, ddp, opt, x, steps: int, no_sync: bool,
+           clip_norm: float = 0.0) -> list[tuple[float, ...]]:
     out = []
+    clip = _clipper(ddp, clip_norm, no_sync)
     for _ in range(steps):
         dist.barrier()
         if no_sync:
             with ddp.no_sync():
-                out.append(_step(model, opt, x))
+                out.append(_step(model, opt, x, clip))
         else:
-            out.append(_step(model, opt, x))
+            out.append(_step(model, opt, x, clip))
     return out
 
 
@@ -204,7 +226,8 @@ def run_model(cfg: Config, name: str) -> list[Result]:
             model, ddp, opt, samples = runs[variant]
             for no_sync in (False, True):
                 sent = _wire_bytes()
-                samples[no_sync] += _rank_max(_timed(model, ddp, opt, x, cfg.steps, no_sync))
+                samples[no_sync] += _rank_max(_timed(model, ddp, opt, x, cfg.steps, no_sync,
+                                                     cfg.clip))
                 if not no_sync:
                     samples["wire"].append((_wire_bytes() - sent) / cfg.steps)
                     samples["overlap"] += _overlaps(ddp, cfg.steps)
@@ -231,12 +254,14 @@ def run(cfg: Config) -> list[Result]:
 
 
 def format_results(cfg: Config, results: list[Result], allocator: str = "") -> str:
-    compiled = {"compile": cfg.compile_backend} if cfg.compile else {}
+    extra = {"compile": cfg.compile_backend} if cfg.compile else {}
+    if cfg.clip:
+        extra["clip"] = f"max_norm {cfg.clip:g} (each its own clip_grad_norm_)"
     wire = any(r.wire_mb == r.wire_mb for r in results)
     where = {"hosts": cfg.hosts} if cfg.hosts else {}
     lines = [common.header("ddp step time (ms), medians of per-step max over ranks",
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
-                           warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **compiled,
+                           warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **extra,
                            **where, **({"allocator": allocator} if allocator else {})),
              f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>14} {'step':>7} "
              f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7} "
@@ -316,6 +341,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
                    help=f"comma list of {tuple(IMPLS)}, timed side by side")
     p.add_argument("--bucket-cap-mb", type=float, default=Config.bucket_cap_mb)
+    p.add_argument("--clip", type=float, default=Config.clip, metavar="MAX_NORM",
+                   help="clip gradients every step to this norm, each implementation with "
+                        "its own clip_grad_norm_ (default: no clipping)")
     p.add_argument("--samples", type=int, default=Config.samples,
                    help=f"the MLP's batch per rank (default {Config.samples})")
     p.add_argument("--reps", type=int, default=Config.reps)
@@ -343,7 +371,8 @@ def main(ns: argparse.Namespace) -> int:
         link = "unshaped" if ns.link_gbit is None else f"{ns.link_gbit:g} Gbit/s (tbf)"
         hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
     cfg = Config(tuple(ns.models.split(",")), impls, ns.bucket_cap_mb, ns.warmup, ns.reps,
-                 ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts, ns.samples)
+                 ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts, ns.samples,
+                 ns.clip)
     if ns.hosts:
         backend, world = "gloo", ns.hosts * ns.ranks_per_host
         text, results = _run_on_hosts(cfg, ns)
