@@ -67,8 +67,9 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
         if is_generator and not parameters:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
-    # Reads every .grad in C++ and runs the pycomm::clip_grad_norm_ composite unboxed: see
-    # csrc/grad/clip_bind.cpp for why this is not a torch.ops call.
+    # Reads every .grad in C++: plain CPU gradients are clipped right there, anything else
+    # by the pycomm::clip_grad_norm_ composite, unboxed. See csrc/grad/clip_bind.cpp for
+    # why this is not a torch.ops call.
     return _C._clip_grad_norm_(parameters, float(max_norm), float(norm_type),
                                bool(error_if_nonfinite))
 

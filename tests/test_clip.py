@@ -179,6 +179,77 @@ def test_non_tensor_parameter_is_refused_clearly():
 
 
 
+# pycomm.clip_grad_norm_ on plain CPU gradients reads them straight from the parameters;
+# pycomm.ops.clip_grad_norm_ runs the composite of the fused ops (See Note [Clip straight
+# from the parameters] in csrc/grad/clip_bind.cpp). Same chunks, same roundings: bit-exact.
+@pytest.mark.parametrize("dtypes", [
+    (torch.float32,), (torch.float64,), (torch.bfloat16,), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float64)])
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("max_norm", [1e-3, 1e6], ids=["active", "inactive"])
+def test_parameter_path_is_bit_exact_with_the_composite(dtypes, norm_type, max_norm):
+    ours, ref = [], []
+    for i, shape in enumerate([(70000,), (3, 5), (1,), (1024,)] * 3):
+        o, r = _twin_params([shape], dtypes[i % len(dtypes)], "cpu", seed=i)
+        ours += o
+        ref += r
+    n_ours = pycomm.clip_grad_norm_(ours, max_norm, norm_type)
+    n_ref = pycomm.ops.clip_grad_norm_([p.grad for p in ref], max_norm, norm_type)
+    assert n_ours.dtype == n_ref.dtype and torch.equal(n_ours, n_ref)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_each_call_reads_the_current_gradients():
+    # Nothing about the gradients is kept between calls: replacing, resizing in place,
+    # dropping or adding a .grad is seen by the next call exactly as torch sees it.
+    ours, ref = _twin_params([(1024,)] * 6, torch.float32, "cpu")
+    _assert_same(ours, ref, pycomm.clip_grad_norm_(ours, 0.05),
+                 torch.nn.utils.clip_grad_norm_(ref, 0.05), torch.float32)
+    gen = torch.Generator().manual_seed(7)
+    fresh = [torch.randn(1024, generator=gen) for _ in range(2)]
+    for params in (ours, ref):
+        params[0].grad = fresh[0].clone()             # replaced
+        params[1].grad.resize_(0)                     # resized in place (storage kept)
+        params[2].grad.resize_(8192)                  # grown in place: new storage
+        params[2].grad.copy_(torch.arange(8192.0) / 8192)
+        params[3].grad = None                         # dropped
+        params[4].grad.mul_(1e3)                      # changed in place
+    ours[1].grad, ref[1].grad = None, None  # (torch refuses an empty .grad of a 1024 param)
+    _assert_same(ours, ref, pycomm.clip_grad_norm_(ours, 0.05),
+                 torch.nn.utils.clip_grad_norm_(ref, 0.05), torch.float32)
+    assert ours[3].grad is None
+    for params in (ours, ref):
+        params[3].grad = fresh[1].clone()             # added back
+    _assert_same(ours, ref, pycomm.clip_grad_norm_(ours, 0.05),
+                 torch.nn.utils.clip_grad_norm_(ref, 0.05), torch.float32)
+
+
+def test_copy_on_write_gradients_are_not_written_through():
+    # A lazily cloned gradient shares its storage copy-on-write with its source: clipping
+    # must write a copy (torch's mul_ does), never the shared memory.
+    ours, ref = _twin_params([(1024,), (1024,)], torch.float32, "cpu")
+    sources = [p.grad.clone() for p in ours]
+    before = [s.clone() for s in sources]
+    for p, s in zip(ours, sources):
+        p.grad = torch._lazy_clone(s)
+    assert torch._C._is_cow_tensor(ours[0].grad)
+    _assert_same(ours, ref, pycomm.clip_grad_norm_(ours, 0.01),
+                 torch.nn.utils.clip_grad_norm_(ref, 0.01), torch.float32)
+    for s, b in zip(sources, before):
+        assert torch.equal(s, b)
+
+
+def test_gradients_of_a_tensor_subclass_take_the_general_path():
+    class Tagged(torch.Tensor):
+        pass
+
+    ours, ref = _twin_params([(64,), (32,)], torch.float32, "cpu")
+    ours[0].grad = ours[0].grad.as_subclass(Tagged)
+    _assert_same(ours, ref, pycomm.clip_grad_norm_(ours, 0.01),
+                 torch.nn.utils.clip_grad_norm_(ref, 0.01), torch.float32)
+
+
 @pytest.mark.skipif("cuda" not in DEVICES, reason="needs a CUDA device and the CUDA build")
 def test_gradients_on_two_devices_like_torch():
     ours, ref = _twin_params(SHAPES, torch.float32, "cpu")

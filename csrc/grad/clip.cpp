@@ -70,6 +70,12 @@ at::ScalarType norm_dtype(at::TensorList grads) {
 
 }  // namespace
 
+void check_total_finite(bool finite, double norm_type) {
+  TORCH_CHECK(finite, "The total norm of order ", norm_type, " for gradients from `parameters` "
+              "is non-finite, so it cannot be clipped. To disable this error and scale the "
+              "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
+}
+
 at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double norm_type,
                                bool error_if_nonfinite) {
   constexpr const char* op = "pycomm::clip_grad_norm_";
@@ -98,10 +104,7 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
     }
   }
   auto [total, coef] = call_clip_coef(partial, norm_type, max_norm, norm_dtype(grads));
-  TORCH_CHECK(!error_if_nonfinite || at::isfinite(total).item<bool>(),
-              "The total norm of order ", norm_type, " for gradients from `parameters` is "
-              "non-finite, so it cannot be clipped. To disable this error and scale the "
-              "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
+  if (error_if_nonfinite) check_total_finite(at::isfinite(total).item<bool>(), norm_type);
   if (one_device) {
     call_scale(grads, coef);
   } else {

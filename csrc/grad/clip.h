@@ -11,4 +11,7 @@ namespace pycomm {
 at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double norm_type,
                                bool error_if_nonfinite);
 
+// error_if_nonfinite's check, with torch's message.
+void check_total_finite(bool finite, double norm_type);
+
 }  // namespace pycomm

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "grad/cpu_lists.h"
 #include "grad/cpu_pieces.h"
 #include "grad/grad_math.h"
 #include "grad/span_list.h"
@@ -82,31 +83,6 @@ at::Tensor sum_squares_cpu(const at::Tensor& x) {
   return out;
 }
 
-void norm_partial_chunks(const SpanList& l, NormKind kind, double p, double* out) {
-  const CpuPieces& pieces = cpu_pieces();
-  const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
-  std::vector<double> acc(static_cast<size_t>(chunks), 0.0), nf(static_cast<size_t>(chunks), 0.0);
-  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t lo = c * kReduceChunk;
-      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk), [&](size_t s, int64_t off, int64_t n) {
-        const Span& sp = l.spans[s];
-        double a = 0.0, f = 0.0;
-        pieces.norm(kind, sp.dtype, static_cast<const char*>(sp.data) + off * elementSize(sp.dtype), n, p, &a, &f);
-        acc[c] = kind == NormKind::kInf ? max_propagate_nan(acc[c], a) : acc[c] + a;
-        nf[c] += f;
-      });
-    }
-  });
-  double total_acc = 0.0, total_nf = 0.0;
-  for (int64_t c = 0; c < chunks; ++c) {  // chunk order: deterministic
-    total_acc = kind == NormKind::kInf ? max_propagate_nan(total_acc, acc[c]) : total_acc + acc[c];
-    total_nf += nf[c];
-  }
-  out[0] = total_acc;
-  out[1] = total_nf != total_nf ? 1.0 : 0.0;
-}
-
 at::Tensor norm_partial_cpu(at::TensorList tensors, double norm_type) {
   constexpr const char* op = "pycomm::norm_partial";
   const NormKind kind = norm_kind(norm_type, op);
@@ -114,7 +90,7 @@ at::Tensor norm_partial_cpu(at::TensorList tensors, double norm_type) {
   std::vector<at::Tensor> copies;
   const SpanList l = read_spans(tensors, copies);
   double result[2];
-  norm_partial_chunks(l, kind, norm_type, result);
+  norm_partial_spans(l, kind, norm_type, result);
   auto out = at::empty({2}, tensors[0].options().dtype(partial_dtype(tensors)));
   AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "norm_partial_cpu_out", [&] {
     out.mutable_data_ptr<scalar_t>()[0] = static_cast<scalar_t>(result[0]);
@@ -136,21 +112,7 @@ void scale_cpu_(at::TensorList tensors, const at::Tensor& factor) {
   std::vector<size_t> strided;
   const SpanList l = write_spans(tensors, strided);
   for (size_t i : strided) tensors[i].mul_(factor);
-  const CpuPieces& pieces = cpu_pieces();
-  const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
-  // Each task walks its chunks backwards. After a norm pass over the same list (the same
-  // chunks and tasks), the chunks each thread read last are still in its cache (L2, and
-  // up to 32 MiB of L3 here): scaling them first saves that much of a second read.
-  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
-    for (int64_t chunk = end - 1; chunk >= begin; --chunk) {
-      const int64_t lo = chunk * kReduceChunk;
-      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk),
-                     [&](size_t s, int64_t off, int64_t n) {
-        const Span& sp = l.spans[s];
-        pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
-      });
-    }
-  });
+  scale_spans(l, c);
 }
 
 void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
@@ -190,18 +152,73 @@ std::tuple<at::Tensor, at::Tensor> clip_coef_cpu(const at::Tensor& partial, doub
   auto coef = at::empty({}, partial.options().dtype(at::toOpMathType(norm_dtype)));
   AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "clip_coef_cpu", [&] {
     const double acc = static_cast<double>(partial.const_data_ptr<scalar_t>()[0]);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_cpu_norm", [&] {
-      using Acc = at::opmath_type<scalar_t>;
-      const auto t = static_cast<scalar_t>(
-          norm_finish<Acc>(static_cast<Acc>(acc), kind, static_cast<Acc>(norm_type)));
-      *total.mutable_data_ptr<scalar_t>() = t;
-      *coef.mutable_data_ptr<Acc>() = clip_coefficient<scalar_t>(t, static_cast<Acc>(max_norm));
+    const double c = clip_coef_of(acc, kind, norm_type, max_norm, norm_dtype,
+                                  total.mutable_data_ptr()).second;
+    AT_DISPATCH_FLOATING_TYPES(coef.scalar_type(), "clip_coef_cpu_coef", [&] {
+      *coef.mutable_data_ptr<scalar_t>() = static_cast<scalar_t>(c);
     });
   });
   return {total, coef};
 }
 
 }  // namespace
+
+void norm_partial_spans(const SpanList& l, NormKind kind, double p, double out[2]) {
+  const CpuPieces& pieces = cpu_pieces();
+  const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
+  std::vector<double> acc(static_cast<size_t>(chunks), 0.0), nf(static_cast<size_t>(chunks), 0.0);
+  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t lo = c * kReduceChunk;
+      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk), [&](size_t s, int64_t off, int64_t n) {
+        const Span& sp = l.spans[s];
+        double a = 0.0, f = 0.0;
+        pieces.norm(kind, sp.dtype, static_cast<const char*>(sp.data) + off * elementSize(sp.dtype), n, p, &a, &f);
+        acc[c] = kind == NormKind::kInf ? max_propagate_nan(acc[c], a) : acc[c] + a;
+        nf[c] += f;
+      });
+    }
+  });
+  double total_acc = 0.0, total_nf = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {  // chunk order: deterministic
+    total_acc = kind == NormKind::kInf ? max_propagate_nan(total_acc, acc[c]) : total_acc + acc[c];
+    total_nf += nf[c];
+  }
+  out[0] = total_acc;
+  out[1] = total_nf != total_nf ? 1.0 : 0.0;
+}
+
+void scale_spans(const SpanList& l, double c) {
+  const CpuPieces& pieces = cpu_pieces();
+  const int64_t chunks = (l.total() + kReduceChunk - 1) / kReduceChunk;
+  // Each task walks its chunks backwards. After a norm pass over the same list (the same
+  // chunks and tasks), the chunks each thread read last are still in its cache (L2, and
+  // up to 32 MiB of L3 here): scaling them first saves that much of a second read.
+  at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
+    for (int64_t chunk = end - 1; chunk >= begin; --chunk) {
+      const int64_t lo = chunk * kReduceChunk;
+      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk),
+                     [&](size_t s, int64_t off, int64_t n) {
+        const Span& sp = l.spans[s];
+        pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
+      });
+    }
+  });
+}
+
+std::pair<double, double> clip_coef_of(double acc, NormKind kind, double p, double max_norm,
+                                       at::ScalarType norm_dtype, void* total) {
+  double norm = 0.0, coef = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_of", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const auto t = static_cast<scalar_t>(
+        norm_finish<Acc>(static_cast<Acc>(acc), kind, static_cast<Acc>(p)));
+    *static_cast<scalar_t*>(total) = t;
+    norm = static_cast<double>(t);
+    coef = static_cast<double>(clip_coefficient<scalar_t>(t, static_cast<Acc>(max_norm)));
+  });
+  return {norm, coef};
+}
 
 const CpuPieces& cpu_pieces() {
   static const CpuPieces pieces = [] {

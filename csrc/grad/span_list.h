@@ -29,6 +29,10 @@ struct SpanList {
     begin.push_back(begin.back() + numel);
   }
   int64_t total() const { return begin.back(); }
+  void reserve(size_t n) {
+    spans.reserve(n);
+    begin.reserve(n + 1);
+  }
 };
 
 // Calls f(span_position, offset_in_span, count) for every span piece inside [lo, hi).

@@ -6,7 +6,8 @@ Cases: a GPT-2-small-like set (148 tensors, 124M elements) and 1,000 tensors of 
 elements; clipping active (max_norm below the norm) and inactive (far above it).
 Effective GB/s counts the traffic clipping needs (read once for the norm; read and
 write again to scale when active), the same bytes for every method; `%copy` relates it to
-a large tensor copy measured in the same run (read + write bytes / time).
+a large tensor copy measured in the same run (read + write bytes / time). `normerr` is each
+method's total norm against the float64 norm of the same gradients (relative; untimed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ class Row:
     gbps: float
     frac_copy: float
     speedup_vs_foreach: float
+    norm_rel_err: float
     wrong: int
 
 
@@ -112,13 +114,28 @@ def _grads(shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list[
     return [torch.randn(s, generator=gen).to(device, dtype) for s in shapes]
 
 
+def _exact_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients, computed in float64."""
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.double())
+                                                 for g in grads]))
+
+
+def norm_errors(grads: list[torch.Tensor]) -> dict[str, float]:
+    """Untimed: each method's total norm of `grads` against their float64 norm, relative
+    (max_norm inf: nothing is scaled, so every method sees the same values)."""
+    holders = [_holder(g) for g in grads]
+    exact = _exact_norm(grads).item()
+    return {name: abs(fn(holders, float("inf")).double().item() - exact) / exact
+            for name, fn in _methods().items()}
+
+
 def _count_wrong(shapes, dtype, device, rel: float) -> int:
     """Untimed: pycomm's total norm and clipped gradients against an exact fp64 computation
     on the same inputs (torch's own fp32 norm drifts ~3e-4 on the 38M-element embedding, so
     it is not the reference here; tests/test_clip.py compares against torch)."""
     grads = _grads(shapes, dtype, device, 1)
     exact = [g.double() for g in grads]
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(e) for e in exact]))
+    norm = _exact_norm(grads)
     max_norm = rel * norm.item()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     total = pycomm_clip.clip_grad_norm_([_holder(g) for g in grads], max_norm)
@@ -135,6 +152,7 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
     holders = [_holder(g) for g in grads]
     elements = sum(g.numel() for g in grads)
     nbytes = elements * grads[0].element_size()
+    errors = norm_errors(grads)  # before timing: the gradients as generated
     rows = []
     for mode, rel in MODES.items():
         norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
@@ -153,7 +171,7 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
             med = statistics.median(s)
             gbps = traffic / med / 1e9
             rows.append(Row(case, len(shapes), elements, mode, name, med * 1e6, q[0] * 1e6,
-                            q[-1] * 1e6, gbps, gbps / copy_gbps, base / med,
+                            q[-1] * 1e6, gbps, gbps / copy_gbps, base / med, errors[name],
                             wrong if name == "pycomm" else 0))
     return rows
 
@@ -181,15 +199,17 @@ def report(cfg: Config, copy_gbps: float, rows: list[Row]) -> str:
         f"# clip_grad_norm_ | dtype {cfg.dtype} | warmup {cfg.warmup} | reps {cfg.reps}"
         f" (interleaved) | copy bandwidth {copy_gbps:.2f} GB/s ({cfg.copy_mib} MiB copy)",
         f"#{'case':>11} {'tensors':>8} {'elements':>10} {'clip':>9} {'method':>14} {'time':>10}"
-        f" {'p10':>10} {'p90':>10} {'GB/s':>7} {'%copy':>6} {'vs foreach':>10} {'#wrong':>6}",
+        f" {'p10':>10} {'p90':>10} {'GB/s':>7} {'%copy':>6} {'vs foreach':>10} {'normerr':>8}"
+        f" {'#wrong':>6}",
         f"#{'':>11} {'':>8} {'':>10} {'':>9} {'':>14} {'(us)':>10} {'(us)':>10} {'(us)':>10}"
-        f" {'':>7} {'':>6} {'(x)':>10} {'':>6}",
+        f" {'':>7} {'':>6} {'(x)':>10} {'(rel)':>8} {'':>6}",
     ]
     for r in rows:
         lines.append(
             f"{r.case:>12} {r.tensors:>8} {r.elements:>10} {r.mode:>9} {r.method:>14}"
             f" {r.time_us:>10.1f} {r.p10_us:>10.1f} {r.p90_us:>10.1f} {r.gbps:>7.2f}"
-            f" {100 * r.frac_copy:>5.1f}% {r.speedup_vs_foreach:>10.2f} {r.wrong:>6}")
+            f" {100 * r.frac_copy:>5.1f}% {r.speedup_vs_foreach:>10.2f} {r.norm_rel_err:>8.1e}"
+            f" {r.wrong:>6}")
     lines.append(f"# Out of bounds values : {sum(r.wrong for r in rows)} "
                  f"{'OK' if not any(r.wrong for r in rows) else 'FAILED'}")
     return "\n".join(lines)
