@@ -46,3 +46,32 @@ def test_declines_what_it_does_not_handle_and_touches_nothing():
         before = dst.clone()
         assert not _C._stream_copy(dst, src, 0.5)
         assert torch.equal(dst, before) or (dst.isnan() == before.isnan()).all()
+
+
+def _with_and_without(rank, world_size):
+    import copy
+
+    import torch.distributed as dist
+    from ddp_models import build, loss_of, make_input
+
+    import pycomm
+
+    base = build("wide")
+    grads = {}
+    for streaming in (True, False):
+        ddp = pycomm.DistributedDataParallel(
+            copy.deepcopy(base), config=pycomm.DDPConfig(streaming_copies=streaming))
+        assert ddp.reducer is not None
+        for step in range(2):  # step 2 runs on the re-cut buckets
+            ddp.zero_grad()
+            loss_of(ddp(make_input("wide", rank, step))).backward()
+        grads[streaming] = [p.grad.clone() for p in ddp.parameters()]
+    for a, b in zip(grads[True], grads[False]):
+        assert torch.equal(a, b)
+    dist.barrier()
+
+
+def test_ddp_config_streaming_copies_off_gives_the_same_bits():
+    from multirank import run_ranks
+
+    run_ranks(_with_and_without, 2)

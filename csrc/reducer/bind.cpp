@@ -105,13 +105,14 @@ void bind_reducer(py::module& m) {
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
                        std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
                        bool batched_grad_copy,
-                       bool inline_collectives, bool main_grad_only) {
+                       bool inline_collectives, bool main_grad_only, bool streaming_copies) {
              reducer::ReducerOptions o{as_view, find_unused, static_graph, record_timeline,
                                        timeline_steps, reduce_dtype};
              o.skip_all_reduce_unused = skip_unused;
              o.batched_grad_copy = batched_grad_copy;
              o.inline_collectives = inline_collectives;
              o.main_grad_only = main_grad_only;
+             o.streaming_copies = streaming_copies;
              return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment,
                                               pg, o));
            }),
@@ -121,7 +122,8 @@ void bind_reducer(py::module& m) {
            py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
            py::arg("skip_all_reduce_unused_params") = false,
            py::arg("batched_grad_copy") = false,
-           py::arg("inline_collectives") = false, py::arg("main_grad_only") = false)
+           py::arg("inline_collectives") = false, py::arg("main_grad_only") = false,
+           py::arg("streaming_copies") = true)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_no_sync", &Reducer::prepare_no_sync,

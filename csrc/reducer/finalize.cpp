@@ -119,7 +119,7 @@ void Reducer::finalize_bucket(Bucket& bucket) {
       }
     } else if (!grad.defined()) {
       grad = torch::autograd::utils::clone_obey_contract(view, param).to(param.scalar_type());
-    } else if (grad.requires_grad() || !stream_copy(grad, view, std::nullopt)) {
+    } else if (!streams(grad) || !stream_copy(grad, view, std::nullopt)) {
       grad.copy_(view);  // (See Note [Streaming copies] in stream_copy.cpp)
     }
   }

@@ -47,6 +47,9 @@ struct ReducerOptions {
   // The default all-reduce runs on the backward thread as each bucket launches (see
   // Note [Inline collectives] in reducer.cpp); comm hooks stay asynchronous.
   bool inline_collectives = false;
+  // Gradient copies past kStreamCopyMinBytes with non-temporal stores (See Note
+  // [Streaming copies] in stream_copy.cpp).
+  bool streaming_copies = true;
   // With reduce_dtype: leave param.grad None for widened parameters after the reduction;
   // the reduced gradient is their fp32 bucket view only (See Note [main_grad accumulation]).
   bool main_grad_only = false;
@@ -162,6 +165,10 @@ class Reducer {
     return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
   }
   void open_launch_gate();
+  // Whether a plain copy from or into `grad` may stream (options, and no create_graph).
+  bool streams(const at::Tensor& grad) const {
+    return options_.streaming_copies && !grad.requires_grad();
+  }
 
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;

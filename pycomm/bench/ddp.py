@@ -48,6 +48,10 @@ IMPLS = {
     # collectives] in csrc/reducer/reducer.cpp): only with --impls, for comparison.
     "pycomm_inline": lambda m, **kw: PycommDDP(m, config=DDPConfig(inline_collectives=True,
                                                                    **kw)),
+    # pycomm copying gradients with ATen instead of streaming stores (Note [Streaming
+    # copies] in csrc/reducer/stream_copy.cpp): only with --impls, for comparison.
+    "pycomm_nostream": lambda m, **kw: PycommDDP(m, config=DDPConfig(streaming_copies=False,
+                                                                     **kw)),
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),
