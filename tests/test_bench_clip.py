@@ -33,3 +33,13 @@ def test_report_and_json_carry_the_norm_error(tmp_path, capsys):
     rows = json.loads(out.read_text())["rows"]
     assert {r["method"] for r in rows} == {"pycomm", "torch-foreach", "torch-loop"}
     assert all(0 <= r["norm_rel_err"] < 1e-3 for r in rows)
+
+
+def test_the_methods_take_turns_going_first():
+    from pycomm.bench.clip import rotated
+
+    runs = [rotated(["pycomm", "torch-foreach", "torch-loop"], rep) for rep in range(4)]
+    assert runs == [["pycomm", "torch-foreach", "torch-loop"],
+                    ["torch-foreach", "torch-loop", "pycomm"],
+                    ["torch-loop", "pycomm", "torch-foreach"],
+                    ["pycomm", "torch-foreach", "torch-loop"]]

@@ -145,6 +145,14 @@ def _count_wrong(shapes, dtype, device, rel: float) -> int:
     return wrong + (not torch.allclose(total.double(), norm, **tol))
 
 
+def rotated(items: list, rep: int) -> list:
+    """The methods of repetition `rep`, rotated by one each repetition: each runs first,
+    and right after each other, equally often. A method always run after torch's
+    multi-threaded calls would find OpenMP's workers still spinning on the other cores."""
+    k = rep % len(items)
+    return items[k:] + items[:k]
+
+
 def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     shapes = CASES[case]()
@@ -156,9 +164,10 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
     rows = []
     for mode, rel in MODES.items():
         norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
-        samples = {name: [] for name in _methods()}
+        methods = list(_methods().items())
+        samples = {name: [] for name, _ in methods}
         for rep in range(cfg.warmup + cfg.reps):  # interleaved: every method once per rep
-            for name, fn in _methods().items():
+            for name, fn in rotated(methods, rep):
                 sec = _time(lambda fn=fn, m=rel * norm: fn(holders, m), device)
                 norm = min(norm, rel * norm)  # the norm the next call sees
                 if rep >= cfg.warmup:
