@@ -70,6 +70,22 @@ def build_floor(tmp: str) -> str | None:
     return lib
 
 
+# A process that touched MPI without mpirun becomes an Open MPI singleton, and Open MPI
+# writes its job into the process's C environment (PMIX_*, OMPI_MCA_ess=singleton, ...):
+# invisible to os.environ there, inherited by every child. Lightning's MPI detection does
+# this in any process that has mpi4py (found when tests/test_lightning.py ran before
+# tests/test_mpi_compare.py in one pytest). An mpirun started under those variables
+# believes it runs inside that job and exits 1 without a word, so it gets an environment
+# without them; OMPI_MCA_* settings of the user's own stay.
+_JOB_PREFIXES = ("PMIX_", "ORTE_", "OMPI_APP_CTX_", "OMPI_MCA_ess", "OMPI_MCA_orte_",
+                 "OMPI_MCA_pmix")
+
+
+def outside_mpi_env() -> dict[str, str]:
+    """os.environ without an enclosing Open MPI job's variables."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(_JOB_PREFIXES)}
+
+
 def mpirun_command(np_: int, extra: list[str]) -> list[str]:
     command = ["mpirun", "-np", str(np_)]
     if os.geteuid() == 0:
@@ -89,7 +105,7 @@ def measure(sizes: list[int], impls: list[str], reps: int, extra: list[str],
         floor = build_floor(tmp)
         if floor:
             command += ["--floor", floor]
-        env = dict(os.environ, **(_ROOT_ENV if os.geteuid() == 0 else {}))
+        env = dict(outside_mpi_env(), **(_ROOT_ENV if os.geteuid() == 0 else {}))
         proc = subprocess.run(command, env=env, capture_output=True, text=True,
                               timeout=timeout_s)
         if proc.returncode != 0:

@@ -29,6 +29,8 @@ def _run(tmp_path, *argv, env=None):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, _SCRIPT, *argv, "--json", str(out)], env=env,
                           capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and out.exists(), (
+        f"the script exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc, json.loads(out.read_text())
 
 
@@ -61,3 +63,30 @@ def test_every_implementation_runs_and_sums_right(tmp_path):
     assert all(rows[(4, impl)]["wrong"] == 0 for impl in layers - {"pycomm-solo", "torch-op"})
     assert "# Out of bounds values : 0 OK" in proc.stdout
     assert result["world"] == 2 and len(result["loadavg_per_rep"]) == 2
+
+
+# What an Open MPI singleton leaves in its children's environment (a process that touched
+# MPI without mpirun: Lightning's MPI detection, once mpi4py is installed). Under these an
+# mpirun exits 1 without a word (checked by hand with a dead server address, as here).
+_SINGLETON_ENV = {"OMPI_MCA_ess": "singleton", "OMPI_MCA_orte_ess_num_procs": "1",
+                  "OMPI_APP_CTX_NUM_PROCS": "1", "PMIX_RANK": "0", "PMIX_NAMESPACE": "1617494017",
+                  "PMIX_SERVER_URI41": "1617494016.0;tcp4://127.0.0.1:1"}
+
+
+def test_runs_from_a_process_that_was_an_mpi_singleton(tmp_path):
+    reason = _script().missing()
+    if reason:
+        pytest.skip(reason)
+    proc, result = _run(tmp_path, "--reps", "1", "--sizes", "4",
+                        env=dict(os.environ, **_SINGLETON_ENV))
+    assert {r["impl"] for r in result["rows"]} >= {"ompi-mpi4py", "pycomm"}
+
+
+def test_the_ranks_environment_drops_the_enclosing_job_and_keeps_the_users_settings(
+        monkeypatch):
+    for k, v in _SINGLETON_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("OMPI_MCA_btl", "self,vader")
+    env = _script().outside_mpi_env()
+    assert not set(_SINGLETON_ENV) & set(env)
+    assert env["OMPI_MCA_btl"] == "self,vader"
