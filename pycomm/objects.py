@@ -16,10 +16,34 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+# Note [Buffers outlive the Work]
+# A Gloo collective's Work holds its tensors, and Gloo's worker thread drops its reference
+# to the Work a moment after the caller's wait returned. If that is the last reference,
+# the worker destroys the Work and releases the tensors' Python objects, which takes the
+# GIL; a rank that is exiting meanwhile (a trace gathered as a job's last act) has its
+# interpreter finalizing, the worker is told to exit inside a noexcept destructor, and
+# the process aborts after its work was done: "terminate called without an active
+# exception", SIGABRT (1 run in 6-20 of tests/test_hosts_ddp.py's trace test; the core:
+# ProcessGroupGloo::runLoop -> ~AsyncGatherWork -> TensorImpl::decref_pyobject ->
+# gil_scoped_acquire -> pthread_exit). Holding the tensors alone is not enough: releasing
+# a tensor whose Python object is alive takes the GIL too. So the exchanges here run
+# async_op=True, wait, and keep the Work (and its tensors) referenced from Python until
+# the next exchange: Gloo's release is then never the last, and the Work dies on a Python
+# thread.
+_LAST: list[Any] = []
+
+
+def _run(collective: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
+    """`collective(*args, **kwargs)` to completion, its Work and arguments kept until the
+    next call (See Note [Buffers outlive the Work])."""
+    work = collective(*args, async_op=True, **kwargs)
+    work.wait()
+    _LAST[:] = [work, args]
 
 
 def _device(group: Optional[dist.ProcessGroup]) -> torch.device:
@@ -43,7 +67,7 @@ def _exchange_sizes(payload: torch.Tensor, group) -> list[int]:
     world = dist.get_world_size(group)
     mine = torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device)
     sizes = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(sizes, mine, group=group)
+    _run(dist.all_gather, sizes, mine, group=group)
     return [int(s.item()) for s in sizes]
 
 
@@ -59,7 +83,8 @@ def all_gather_object(obj: Any, group: Optional[dist.ProcessGroup] = None) -> li
     sizes = _exchange_sizes(payload, group)
     longest = max(sizes)
     received = [torch.empty(longest, dtype=torch.uint8, device=payload.device) for _ in sizes]
-    dist.all_gather(received, _padded(payload, longest), group=group)
+    padded = _padded(payload, longest)
+    _run(dist.all_gather, received, padded, group=group)
     return [_decode(t, n) for t, n in zip(received, sizes)]
 
 
@@ -74,5 +99,6 @@ def gather_object(obj: Any, dst_group_rank: int = 0,
     received = ([torch.empty(longest, dtype=torch.uint8, device=payload.device) for _ in sizes]
                 if is_dst else None)
     dst = dist.get_global_rank(group, dst_group_rank) if group is not None else dst_group_rank
-    dist.gather(_padded(payload, longest), received, dst=dst, group=group)
+    padded = _padded(payload, longest)
+    _run(dist.gather, padded, received, dst=dst, group=group)
     return [_decode(t, n) for t, n in zip(received, sizes)] if is_dst else None
