@@ -317,7 +317,7 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
     if (!streams(grad) || !stream_copy(view, grad, std::nullopt)) view.copy_(grad);
   } else if (grad.requires_grad()) {
     view.copy_(at::mul(grad, scale_));  // create_graph=True: keep grad's graph out
-  } else if (!options_.streaming_copies || !stream_copy(view, grad, scale_value_)) {
+  } else if (!streams(grad) || !stream_copy(view, grad, scale_value_)) {
     at::mul_out(view, grad, scale_);  // See Note [Streaming copies] in stream_copy.cpp
   }
   if (options_.gradient_as_bucket_view) grad = view;
