@@ -165,7 +165,8 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
                                     batched_grad_copy=c.batched_grad_copy,
                                     inline_collectives=c.inline_collectives,
                                     main_grad_only=c.main_grad_only,
-                                    streaming_copies=c.streaming_copies)
+                                    streaming_copies=c.streaming_copies,
+                                    shared_buckets=c.shared_memory_buckets)
         # Whose address a Gloo error names, where the group spans hosts (the flat group or
         # the hierarchical one's Gloo parts; [] on one host).
         self.reducer.set_peer_hosts(ranks_by_host(self.process_group))
