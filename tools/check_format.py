@@ -13,13 +13,20 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SUFFIXES = (".cpp", ".h", ".cu", ".cuh")
-PINNED = "19.1.7"  # keep equal to the clang-format pin in pyproject.toml's `test` extra
+
+
+def pinned_release() -> str | None:
+    """The clang-format release pyproject.toml's `test` extra pins, the one CI runs."""
+    text = (ROOT / "pyproject.toml").read_text()
+    m = re.search(r'"clang-format==([0-9.]+)"', text)
+    return m.group(1) if m else None
 
 
 def sources() -> list[str]:
@@ -35,14 +42,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fix", action="store_true", help="format the files in place")
     args = parser.parse_args()
+    pinned = pinned_release()
     exe = shutil.which("clang-format")
     if exe is None:
         print("check_format: no clang-format on PATH "
-              f"(pip install clang-format=={PINNED}, or the `test` extra)")
+              f"(pip install clang-format=={pinned}, or the `test` extra)")
         return 2
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
-    if PINNED not in version:
-        print(f"check_format: warning: {version.strip()} is not the pinned {PINNED}; "
+    if pinned is None or pinned not in version.split():
+        print(f"check_format: warning: {version.strip()} is not the pinned {pinned}; "
               "its layout may differ from CI's")
     files = sources()
     if args.fix:
