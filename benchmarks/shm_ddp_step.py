@@ -4,7 +4,7 @@ that turned off (Gloo), side by side in one run: every repetition times each var
 turn, and the figure is the median over repetitions of the mean step time (max over
 ranks). Interleaving keeps the ratios meaningful on a shared machine.
 
-    python benchmarks/shm_ddp_step.py --json benchmarks/results/shm_ddp_step.json
+    python benchmarks/shm_ddp_step.py --json shm_ddp_step.json
 """
 
 from __future__ import annotations

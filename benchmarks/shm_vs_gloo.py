@@ -6,8 +6,9 @@ ratio meaningful on a shared, noisy machine. With --md it also writes the Markdo
 the command first, the machine's load (`uptime`) before and after, the table, and issue
 7's targets checked row by row.
 
-    python benchmarks/shm_vs_gloo.py --nproc 2 --reps 5 \
-        --json benchmarks/results/shm_allreduce_v2.json --md benchmarks/results/shm_allreduce_v2.md
+    python benchmarks/shm_vs_gloo.py --nproc 2 --reps 9 \
+        --json benchmarks/results/shm_allreduce_2ranks_cpu.json \
+        --md benchmarks/results/shm_allreduce_2ranks_cpu.md
 """
 
 from __future__ import annotations
