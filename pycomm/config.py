@@ -110,7 +110,7 @@ class DDPConfig:
     (there a communication thread can only run by taking a core from backward). Off by
     default: each bucket then also waits for the slowest rank to reach it, which costs
     more than it saves on compute-heavy steps and on a machine shared with other work
-    (see benchmarks/results/ddp_v2_2ranks_cpu.md)."""
+    (see benchmarks/results/ddp_inline_collectives_2ranks_cpu.md)."""
     streaming_copies: bool = True
     """Copy gradients of 256 KiB and more into their bucket (and the reduced values back
     into param.grad) with non-temporal stores, which neither read the destination first
