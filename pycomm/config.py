@@ -105,7 +105,7 @@ class DDPConfig:
     inline_collectives: bool = False
     """Run each bucket's default all-reduce on the backward thread as the bucket completes,
     instead of on a communication thread (see Note [Inline collectives] in
-    csrc/reducer/reducer.cpp); comm hooks stay asynchronous. Meant for gradients over the
+    csrc/reducer/launch.cpp); comm hooks stay asynchronous. Meant for gradients over the
     shared-memory backend on a host whose cores the ranks' compute threads already fill
     (there a communication thread can only run by taking a core from backward). Off by
     default: each bucket then also waits for the slowest rank to reach it, which costs

@@ -24,7 +24,7 @@ class CommHook {
 
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
 // `run_inline` the launching thread waits for the collective before returning (see
-// Note [Inline collectives] in reducer.cpp).
+// Note [Inline collectives] in launch.cpp).
 class AllreduceSumHook final : public CommHook {
  public:
   AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)

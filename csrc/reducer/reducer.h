@@ -45,7 +45,7 @@ struct ReducerOptions {
   // bucket by the world size (torch's numerics in that mode: x / n, not x * (1/n)).
   bool batched_grad_copy = false;
   // The default all-reduce runs on the backward thread as each bucket launches (see
-  // Note [Inline collectives] in reducer.cpp); comm hooks stay asynchronous.
+  // Note [Inline collectives] in launch.cpp); comm hooks stay asynchronous.
   bool inline_collectives = false;
   // Gradient copies past kStreamCopyMinBytes with non-temporal stores (See Note
   // [Streaming copies] in stream_copy.cpp).

@@ -1,6 +1,6 @@
 // Which parameters take part in a backward: the graph traversal of
 // find_unused_parameters, and static_graph's per-parameter hook counts (see reducer.h).
-// When a parameter is ready is reducer.cpp's.
+// When a parameter is ready is launch.cpp's.
 #include <unordered_set>
 
 #include "reducer/reducer.h"

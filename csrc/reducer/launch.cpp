@@ -1,0 +1,215 @@
+// The reducer's hot path, part 1 (see reducer.h): backward starts, each gradient hook copies
+// its gradient (pre-scaled) into its bucket slot, and a complete bucket's collective is
+// launched in bucket order. Part 2, waiting for the collectives and writing param.grad, is
+// finalize.cpp.
+#include <ATen/ScalarOps.h>
+#include <torch/csrc/autograd/engine.h>
+
+#include "reducer/reducer.h"
+#include "reducer/stream_copy.h"
+
+namespace pycomm::reducer {
+
+// The finalize callback goes on the graph task that runs the module's outputs' backward,
+// queued from there (on_backward_start) or, when backward reaches a parameter without
+// passing an output, at the first parameter hook. Not at the first hook in general: with
+// torch.utils.checkpoint(use_reentrant=True) the first hooks fire inside a nested
+// backward, whose task ends (and would run finalize) before the other segments' run.
+void Reducer::queue_finalize() {
+  if (finalize_queued_) return;
+  finalize_queued_ = true;
+  torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
+    if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
+  });
+}
+
+void Reducer::on_backward_start() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (state_ != State::kPrepared) return;
+  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  queue_finalize();
+}
+
+void Reducer::begin_backward_locked() {
+  state_ = State::kBackward;
+  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  const c10::Device device = buckets_.front()->buffer.device();
+  stamps_ = options_.record_timeline && !device.is_cpu()
+                ? std::make_shared<DeviceStamps>(device) : nullptr;
+  scale_value_ = 1.0 / static_cast<double>(div_factor_);
+  scale_ = at::native::wrapped_scalar_tensor(scale_value_);
+  queue_finalize();
+  for (size_t index : unused_) ++buckets_[locator_[index].first]->unused;
+  for (size_t index : unused_) mark_ready(index, /*used=*/false);
+}
+
+void Reducer::autograd_hook(size_t index) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (track_used_) local_used_.data_ptr<int32_t>()[index] = 1;
+  if (widened_[index]) accumulate_main_grad(index);
+  if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
+  TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ",
+              names_[index], " got a gradient after this step was already reduced: backward "
+              "ran twice without a forward through the DistributedDataParallel wrapper");
+  if (state_ == State::kPrepared) begin_backward_locked();
+  last_hooked_ = static_cast<int64_t>(index);
+  if (options_.static_graph && static_hook_pending(index)) return;
+  // torch raises a RuntimeError at the same point ("Expected to mark a variable ready only
+  // once"); a hook that fires twice without static_graph has no count to wait for.
+  TORCH_CHECK(!marked_[index], "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
+              " was marked ready twice in one backward: it received gradients from more "
+              "than one reentrant backward (e.g. a layer run in several "
+              "torch.utils.checkpoint(use_reentrant=True) segments), or it was used outside "
+              "the module's outputs, or find_unused_parameters=True marked it unused because "
+              "a reentrant checkpoint hides it from the graph. Pass static_graph=True when the "
+              "graph is the same every step, or use use_reentrant=False.");
+  mark_ready(index, /*used=*/true);
+}
+
+void Reducer::mark_ready(size_t index, bool used) {
+  marked_[index] = 1;
+  const auto [bucket_index, slot] = locator_[index];
+  Bucket& bucket = *buckets_[bucket_index];
+  copy_into_bucket(bucket, slot);
+  if (options_.record_timeline && used && ready_ns_[index] < 0) ready_ns_[index] = now_ns();
+  if (record_order_) order_.push_back(index);
+  if (--bucket.pending == 0) {
+    if (options_.batched_grad_copy) flush_batched(bucket);
+    bucket.ready_ns = now_ns();
+    if (stamps_) bucket.ready_stamp = stamps_->stamp();
+    if (!gate_) launch_ready_buckets();
+  }
+}
+
+// Mirrors torch's reducer numerics exactly (mark_variable_ready_dense): averaging is
+// folded into the copy (mul_out by 1/world) unless a hook averages; a grad that already
+// is the bucket view is divided in place.
+void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
+  const size_t index = bucket.params[slot];
+  at::Tensor& view = bucket.views[slot];
+  at::Tensor& grad = params_[index].mutable_grad();
+  const bool divide = divides_in_copy();
+  if (finish_accumulated(index, view, divide)) return;
+  if (!grad.defined()) {
+    view.zero_();
+    return;
+  }
+  TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
+                    "pycomm DDP reduces dense gradients only (use sparse=False)");
+  if (options_.batched_grad_copy && !grad.is_alias_of(view)) {
+    // See ReducerOptions::batched_grad_copy. A grad that requires grad (create_graph)
+    // is copied now, unscaled too, so the bucket's one division covers it exactly once.
+    if (grad.requires_grad()) {
+      view.copy_(grad.detach());
+    } else {
+      bucket.deferred.push_back(slot);
+    }
+    return;
+  }
+  if (grad.is_alias_of(view)) {
+    if (divide) view.div_(div_factor_);
+    return;
+  }
+  if (view.scalar_type() != grad.scalar_type()) {
+    // reduce_dtype: widen first so the scaling rounds in the wide type.
+    view.copy_(grad);
+    if (divide) view.mul_(scale_);
+    return;
+  }
+  if (!divide) {
+    if (!streams(grad) || !stream_copy(view, grad, std::nullopt)) view.copy_(grad);
+  } else if (grad.requires_grad()) {
+    view.copy_(at::mul(grad, scale_));  // create_graph=True: keep grad's graph out
+  } else if (!streams(grad) || !stream_copy(view, grad, scale_value_)) {
+    at::mul_out(view, grad, scale_);  // See Note [Streaming copies] in stream_copy.cpp
+  }
+  if (options_.gradient_as_bucket_view) grad = view;
+}
+
+// Note [Bucket order]
+// Every rank launches the bucket collectives strictly in bucket index order: a bucket
+// whose gradients are all in waits until every lower-index bucket has launched (as torch
+// does). Bucket assignment is identical on all ranks (built from the same parameter list,
+// and rebuilt from rank 0's broadcast ready order), so the i-th collective of a step is
+// the same bucket everywhere, whatever order gradients become ready in on each rank.
+void Reducer::launch_ready_buckets() {
+  while (next_launch_ < buckets_.size() && buckets_[next_launch_]->pending == 0) {
+    launch(*buckets_[next_launch_++]);
+  }
+  if (next_launch_ == buckets_.size() && track_used_) {
+    // Usage is summed across ranks after the last bucket (see Note [Bucket order]).
+    // On an accelerator: a pinned, non-blocking copy, so backward never waits for it.
+    const c10::Device device = buckets_.front()->buffer.device();
+    at::Tensor used = local_used_.clone();
+    if (!device.is_cpu()) used = used.pin_memory().to(device, /*non_blocking=*/true);
+    used_future_ = comm::start_allreduce(pg_, used, c10d::ReduceOp::SUM)->getFuture();
+  }
+}
+
+bool Reducer::skips(const Bucket& bucket) const {
+  return options_.skip_all_reduce_unused && bucket.unused == bucket.params.size();
+}
+
+// batched_grad_copy: the bucket's deferred copies in one _foreach_copy_, then one division
+// of the whole bucket (zeroed slots of undefined grads divide to zero).
+void Reducer::flush_batched(Bucket& bucket) {
+  if (!bucket.deferred.empty()) {
+    std::vector<at::Tensor> views;
+    std::vector<at::Tensor> grads;
+    views.reserve(bucket.deferred.size());
+    grads.reserve(bucket.deferred.size());
+    for (size_t slot : bucket.deferred) {
+      views.push_back(bucket.views[slot]);
+      grads.push_back(params_[bucket.params[slot]].grad());
+    }
+    at::_foreach_copy_(views, grads);
+    if (options_.gradient_as_bucket_view) {
+      for (size_t slot : bucket.deferred) {
+        at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
+        if (grad.scalar_type() == bucket.views[slot].scalar_type()) grad = bucket.views[slot];
+      }
+    }
+    bucket.deferred.clear();
+  }
+  if (hook_->reducer_divides() && !gate_) bucket.buffer.div_(div_factor_);  // gate: it divides
+}
+
+// Note [Inline collectives]
+// On a machine whose cores are all busy with the ranks' compute threads (2 local ranks
+// on 2 cores), a communication thread can only run by taking a core from backward, and
+// the shared-memory all-reduce advances only while both ranks' communication threads are
+// on a core at once: each rendezvous waits for the scheduler, and the bucket finishes
+// late, after backward, in the exposed tail. Run inline, the bucket's collective happens
+// on the backward thread itself, which is on a core on every rank at about the same
+// point of backward: no thread hand-off, no rendezvous across descheduled threads, the
+// same bytes moved. The wait lets the shared-memory backend run the queued operation on
+// this thread (See Note [Waiting helps] in shm/work.h).
+//
+//   async:   backward [b0 grads][b1 grads][b2 grads]  wait ......... finalize
+//            comm thread          [ar b0 ~~~ stalls ~~~ ar b1 ~~~~~~ ar b2]
+//   inline:  backward [b0 grads][ar b0][b1 grads][ar b1][b2 grads][ar b2] finalize
+void Reducer::launch(Bucket& bucket) {
+  if (skips(bucket)) {  // see ReducerOptions::skip_all_reduce_unused: no communication
+    bucket.skipped = true;
+    bucket.launch_ns = bucket.ready_ns;
+    bucket.done_ns.store(bucket.ready_ns);
+    return;
+  }
+  for (auto& callback : pre_launch_) callback(bucket);
+  bucket.launch_ns = now_ns();
+  FuturePtr future = hook_->run(bucket, buckets_.size(), params_);
+  Bucket* target = &bucket;
+  auto* callbacks = &post_done_;
+  bucket.future = future->then(
+      [target, callbacks, stamps = stamps_](c10::ivalue::Future& parent) -> c10::IValue {
+        at::Tensor out = result_tensor(parent.value());
+        target->done_ns.store(now_ns());
+        if (stamps) target->done_stamp.store(stamps->stamp());
+        if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
+        for (auto& callback : *callbacks) callback(*target);
+        return target->buffer;
+      },
+      c10::TensorType::get());
+}
+
+}  // namespace pycomm::reducer
