@@ -7,8 +7,10 @@ TORCH_LIBRARY(pycomm, m) {
   m.def("sum_squares(Tensor x) -> Tensor");
   // Fused clipping and accumulation (csrc/grad): See Note [Norm partials] in grad_math.h.
   m.def("norm_partial(Tensor[] tensors, float norm_type) -> Tensor");
-  m.def("clip_coef(Tensor partial, float norm_type, float max_norm, ScalarType norm_dtype) -> (Tensor, Tensor)");
+  m.def("clip_coef(Tensor partial, float norm_type, float max_norm, ScalarType norm_dtype) -> "
+        "(Tensor, Tensor)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor factor) -> ()");
   m.def("accumulate_(Tensor(a!)[] acc, Tensor[] grads, float scale) -> ()");
-  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type=2., bool error_if_nonfinite=False) -> Tensor");
+  m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type=2., bool "
+        "error_if_nonfinite=False) -> Tensor");
 }

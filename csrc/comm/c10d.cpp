@@ -11,7 +11,8 @@ c10d::ReduceOp reduce_op(const std::string& name) {
   if (name == "max") return c10d::ReduceOp::MAX;
   if (name == "min") return c10d::ReduceOp::MIN;
   if (name == "product") return c10d::ReduceOp::PRODUCT;
-  TORCH_CHECK_VALUE(false, "unknown reduce op '", name, "': expected sum, avg, max, min or product");
+  TORCH_CHECK_VALUE(false, "unknown reduce op '", name,
+                    "': expected sum, avg, max, min or product");
 }
 
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op) {

@@ -2,16 +2,17 @@
 // torch releases, so every call into it goes through here, guarded by version checks.
 #pragma once
 
+#include <torch/version.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
-#include <torch/version.h>
 
 #include <string>
 #include <vector>
 
 #define PYCOMM_TORCH_AT_LEAST(major, minor) \
-  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+  (TORCH_VERSION_MAJOR > (major) ||         \
+   (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
 static_assert(PYCOMM_TORCH_AT_LEAST(2, 4), "pycomm needs torch >= 2.4");
 

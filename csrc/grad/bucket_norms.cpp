@@ -67,7 +67,7 @@ class BucketNorms {
       for (size_t i = 0; i < num_buckets; ++i) parts.push_back(partials_[i]->partial);
       const at::Tensor stacked = at::stack(parts);
       out = norm_kind(norm_type, "take") == NormKind::kInf ? at::amax(stacked, 0)
-                                                            : at::sum(stacked, 0);
+                                                           : at::sum(stacked, 0);
     }
     partials_.clear();
     return out;

@@ -2,10 +2,10 @@
 // call, so a list of a thousand gradients crosses from Python once. Device-independent: it
 // calls norm_partial / clip_coef / scale_ through the dispatcher, which picks the CPU or
 // CUDA kernels. Host syncs: none, except the check error_if_nonfinite asks for (as torch).
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/maximum.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
 
@@ -71,7 +71,8 @@ at::ScalarType norm_dtype(at::TensorList grads) {
 }  // namespace
 
 void check_total_finite(bool finite, double norm_type) {
-  TORCH_CHECK(finite, "The total norm of order ", norm_type, " for gradients from `parameters` "
+  TORCH_CHECK(finite, "The total norm of order ", norm_type,
+              " for gradients from `parameters` "
               "is non-finite, so it cannot be clipped. To disable this error and scale the "
               "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
 }
@@ -100,7 +101,9 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
   } else {  // merge per-device partials on the first device. See Note [Norm partials]
     for (const auto& ts : groups.tensors) {
       const auto p = call_norm_partial(ts, norm_type).to(groups.devices[0]);
-      partial = !partial.defined() ? p : kind == NormKind::kInf ? at::maximum(partial, p) : at::add(partial, p);
+      partial = !partial.defined()       ? p
+                : kind == NormKind::kInf ? at::maximum(partial, p)
+                                         : at::add(partial, p);
     }
   }
   auto [total, coef] = call_clip_coef(partial, norm_type, max_norm, norm_dtype(grads));

@@ -6,11 +6,11 @@
 // and the .grad reads in C++ cost a fraction of that. The op stays the entry point for
 // torch.compile, opcheck and C++ callers. Plain CPU gradients skip even the composite:
 // See Note [Clip straight from the parameters].
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/utils/pybind.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/core/impl/COW.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <cmath>
 #include <optional>
@@ -51,8 +51,10 @@ const at::Tensor& grad_of(PyObject* obj, size_t i) {
   // A C-level subtype check: pybind's Tensor caster goes through type.__instancecheck__
   // for a Parameter (a Python subclass), ~0.1 us per tensor.
   auto* tensor_type = reinterpret_cast<PyTypeObject*>(THPVariableClass);
-  TORCH_CHECK_TYPE(PyType_IsSubtype(Py_TYPE(obj), tensor_type), "pycomm.clip_grad_norm_: "
-                   "parameters[", i, "] is a ", Py_TYPE(obj)->tp_name, ", not a Tensor");
+  TORCH_CHECK_TYPE(PyType_IsSubtype(Py_TYPE(obj), tensor_type),
+                   "pycomm.clip_grad_norm_: "
+                   "parameters[",
+                   i, "] is a ", Py_TYPE(obj)->tp_name, ", not a Tensor");
   const at::Tensor& param = THPVariable_Unpack(obj);
   // TensorImpl::grad() first: Tensor::grad() asks autograd whether the tensor is a leaf
   // (a virtual call) on every read, for a warning it gives only when there is no grad.
@@ -76,9 +78,8 @@ std::vector<at::Tensor> read_grads(const pybind11::list& parameters) {
 bool is_plain_cpu_span(const at::Tensor& t) {
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   return impl->device_type() == c10::DeviceType::CPU && impl->layout() == c10::kStrided &&
-         !impl->is_python_dispatch() && at::isFloatingType(t.scalar_type()) &&
-         is_flat_span(t) && impl->has_storage() &&
-         !c10::impl::cow::is_cow_data_ptr(impl->storage().data_ptr());
+         !impl->is_python_dispatch() && at::isFloatingType(t.scalar_type()) && is_flat_span(t) &&
+         impl->has_storage() && !c10::impl::cow::is_cow_data_ptr(impl->storage().data_ptr());
 }
 
 // See Note [Clip straight from the parameters]. nullopt: some gradient needs the composite.
@@ -120,8 +121,8 @@ std::optional<at::Tensor> clip_params_cpu(const pybind11::list& parameters, doub
   return total;
 }
 
-at::Tensor clip_parameters_(const pybind11::list& parameters, double max_norm,
-                            double norm_type, bool error_if_nonfinite) {
+at::Tensor clip_parameters_(const pybind11::list& parameters, double max_norm, double norm_type,
+                            bool error_if_nonfinite) {
   if (auto total = clip_params_cpu(parameters, max_norm, norm_type, error_if_nonfinite))
     return *std::move(total);
   std::vector<at::Tensor> grads = read_grads(parameters);
@@ -142,8 +143,9 @@ void bind_clip(pybind11::module& m) {
         pybind11::arg("max_norm"), pybind11::arg("norm_type") = 2.0,
         pybind11::arg("error_if_nonfinite") = false,
         "pycomm.clip_grad_norm_ on a list of parameters (reads .grad in C++).");
-  m.def("_cpu_kernels", [] { return std::string(cpu_pieces().name); },
-        "Which build of the CPU inner loops this process runs: 'avx2' or 'default'.");
+  m.def(
+      "_cpu_kernels", [] { return std::string(cpu_pieces().name); },
+      "Which build of the CPU inner loops this process runs: 'avx2' or 'default'.");
 }
 
 }  // namespace pycomm

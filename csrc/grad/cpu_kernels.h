@@ -93,9 +93,9 @@ std::pair<double, double> norm_piece(const T* x, int64_t n, double p) {
     acc1 = vec_norm_step<K>(acc1, b, pv);
   }
   const auto combine = [](const Vec& u, const Vec& v) { return vec_norm_combine<K>(u, v); };
-  Acc acc = at::vec::vec_reduce_all<Acc>(
-      combine, vec_norm_combine<K>(vec_norm_combine<K>(acc0, acc1),
-                                   vec_norm_combine<K>(acc2, acc3)));
+  Acc acc = at::vec::vec_reduce_all<Acc>(combine,
+                                         vec_norm_combine<K>(vec_norm_combine<K>(acc0, acc1),
+                                                             vec_norm_combine<K>(acc2, acc3)));
   for (; i < n; ++i) acc = norm_step<K, Acc>(acc, static_cast<Acc>(x[i]), static_cast<Acc>(p));
   const double nf = std::isfinite(static_cast<double>(acc)) ? 0.0 : nonfinite_scan(x, n);
   return {static_cast<double>(acc), nf};
@@ -137,11 +137,12 @@ void accumulate_piece(TA* acc, const TG* grad, int64_t n, at::opmath_type<TA> sc
 }
 
 // Type-erased entry points: what cpu_pieces.h's table points at.
-inline void norm_piece_any(NormKind kind, at::ScalarType dtype, const void* x, int64_t n,
-                           double p, double* acc, double* nf) {
+inline void norm_piece_any(NormKind kind, at::ScalarType dtype, const void* x, int64_t n, double p,
+                           double* acc, double* nf) {
   with_norm_kind(kind, [&](auto k) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "norm_piece", [&] {
-      const auto [a, f] = norm_piece<decltype(k)::value, scalar_t>(static_cast<const scalar_t*>(x), n, p);
+      const auto [a, f] = norm_piece<decltype(k)::value, scalar_t>(static_cast<const scalar_t*>(x),
+                                                                   n, p);
       *acc = a;
       *nf = f;
     });

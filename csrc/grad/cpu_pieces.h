@@ -11,8 +11,8 @@ namespace pycomm {
 
 struct CpuPieces {
   // Norm partial of n elements at x (See Note [Norm partials]); *nf is 0 or nan.
-  void (*norm)(NormKind kind, at::ScalarType dtype, const void* x, int64_t n, double p,
-               double* acc, double* nf);
+  void (*norm)(NormKind kind, at::ScalarType dtype, const void* x, int64_t n, double p, double* acc,
+               double* nf);
   // x *= c over n elements.
   void (*scale)(at::ScalarType dtype, void* x, int64_t n, double c);
   // acc += scale * grad over n elements.

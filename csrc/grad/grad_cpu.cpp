@@ -4,9 +4,9 @@
 // what one buffer of the same size costs.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/Version.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
-#include <ATen/Version.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -55,8 +55,8 @@ at::opmath_type<T> sum_squares_chunk(const T* p, int64_t n) {
       acc1 = at::vec::fmadd(b, b, acc1);
     }
   }
-  Acc total = at::vec::vec_reduce_all<Acc>(
-      [](const Vec& x, const Vec& y) { return x + y; }, acc0 + acc1);
+  Acc total = at::vec::vec_reduce_all<Acc>([](const Vec& x, const Vec& y) { return x + y; },
+                                           acc0 + acc1);
   for (; i < n; ++i) total = square_acc<T>(total, p[i]);
   return total;
 }
@@ -64,22 +64,23 @@ at::opmath_type<T> sum_squares_chunk(const T* p, int64_t n) {
 at::Tensor sum_squares_cpu(const at::Tensor& x) {
   check_flat_floating(x, "pycomm::sum_squares", "x");
   auto out = at::empty({}, x.options().dtype(reduction_dtype(x)));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sum_squares_cpu", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    const scalar_t* p = x.const_data_ptr<scalar_t>();
-    const int64_t n = x.numel();
-    const int64_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
-    std::vector<Acc> partial(static_cast<size_t>(chunks), Acc(0));
-    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t c = begin; c < end; ++c) {
-        const int64_t lo = c * kReduceChunk;
-        partial[c] = sum_squares_chunk<scalar_t>(p + lo, std::min(kReduceChunk, n - lo));
-      }
-    });
-    Acc total(0);
-    for (Acc v : partial) total += v;
-    *out.mutable_data_ptr<Acc>() = total;
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "sum_squares_cpu", [&] {
+        using Acc = at::opmath_type<scalar_t>;
+        const scalar_t* p = x.const_data_ptr<scalar_t>();
+        const int64_t n = x.numel();
+        const int64_t chunks = (n + kReduceChunk - 1) / kReduceChunk;
+        std::vector<Acc> partial(static_cast<size_t>(chunks), Acc(0));
+        at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t c = begin; c < end; ++c) {
+            const int64_t lo = c * kReduceChunk;
+            partial[c] = sum_squares_chunk<scalar_t>(p + lo, std::min(kReduceChunk, n - lo));
+          }
+        });
+        Acc total(0);
+        for (Acc v : partial) total += v;
+        *out.mutable_data_ptr<Acc>() = total;
+      });
   return out;
 }
 
@@ -125,8 +126,8 @@ void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
     check_accumulate_pair(acc[i], grads[i], i, op);
     if (is_flat_span(acc[i]) && acc[i].strides() == grads[i].strides()) {
       la.add(acc[i].mutable_data_ptr(), acc[i].numel(), acc[i].scalar_type(), i);
-      lg.add(const_cast<void*>(grads[i].const_data_ptr()), grads[i].numel(),
-             grads[i].scalar_type(), i);
+      lg.add(const_cast<void*>(grads[i].const_data_ptr()), grads[i].numel(), grads[i].scalar_type(),
+             i);
     } else {
       acc[i].add_(grads[i], scale);  // layouts differ: torch's strided elementwise path
     }
@@ -136,10 +137,11 @@ void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
   at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
     for_each_piece(la, begin * kReduceChunk, std::min(la.total(), end * kReduceChunk),
                    [&](size_t s, int64_t off, int64_t n) {
-      const Span &a = la.spans[s], &g = lg.spans[s];
-      pieces.accumulate(a.dtype, g.dtype, static_cast<char*>(a.data) + off * elementSize(a.dtype),
-                        static_cast<const char*>(g.data) + off * elementSize(g.dtype), n, scale);
-    });
+                     const Span &a = la.spans[s], &g = lg.spans[s];
+                     pieces.accumulate(
+                         a.dtype, g.dtype, static_cast<char*>(a.data) + off * elementSize(a.dtype),
+                         static_cast<const char*>(g.data) + off * elementSize(g.dtype), n, scale);
+                   });
   });
 }
 
@@ -152,8 +154,8 @@ std::tuple<at::Tensor, at::Tensor> clip_coef_cpu(const at::Tensor& partial, doub
   auto coef = at::empty({}, partial.options().dtype(at::toOpMathType(norm_dtype)));
   AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "clip_coef_cpu", [&] {
     const double acc = static_cast<double>(partial.const_data_ptr<scalar_t>()[0]);
-    const double c = clip_coef_of(acc, kind, norm_type, max_norm, norm_dtype,
-                                  total.mutable_data_ptr()).second;
+    const double c =
+        clip_coef_of(acc, kind, norm_type, max_norm, norm_dtype, total.mutable_data_ptr()).second;
     AT_DISPATCH_FLOATING_TYPES(coef.scalar_type(), "clip_coef_cpu_coef", [&] {
       *coef.mutable_data_ptr<scalar_t>() = static_cast<scalar_t>(c);
     });
@@ -170,13 +172,16 @@ void norm_partial_spans(const SpanList& l, NormKind kind, double p, double out[2
   at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c) {
       const int64_t lo = c * kReduceChunk;
-      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk), [&](size_t s, int64_t off, int64_t n) {
-        const Span& sp = l.spans[s];
-        double a = 0.0, f = 0.0;
-        pieces.norm(kind, sp.dtype, static_cast<const char*>(sp.data) + off * elementSize(sp.dtype), n, p, &a, &f);
-        acc[c] = kind == NormKind::kInf ? max_propagate_nan(acc[c], a) : acc[c] + a;
-        nf[c] += f;
-      });
+      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk),
+                     [&](size_t s, int64_t off, int64_t n) {
+                       const Span& sp = l.spans[s];
+                       double a = 0.0, f = 0.0;
+                       pieces.norm(kind, sp.dtype,
+                                   static_cast<const char*>(sp.data) + off * elementSize(sp.dtype),
+                                   n, p, &a, &f);
+                       acc[c] = kind == NormKind::kInf ? max_propagate_nan(acc[c], a) : acc[c] + a;
+                       nf[c] += f;
+                     });
     }
   });
   double total_acc = 0.0, total_nf = 0.0;
@@ -197,11 +202,11 @@ void scale_spans(const SpanList& l, double c) {
   at::parallel_for(0, chunks, kParallelGrainChunks, [&](int64_t begin, int64_t end) {
     for (int64_t chunk = end - 1; chunk >= begin; --chunk) {
       const int64_t lo = chunk * kReduceChunk;
-      for_each_piece(l, lo, std::min(l.total(), lo + kReduceChunk),
-                     [&](size_t s, int64_t off, int64_t n) {
-        const Span& sp = l.spans[s];
-        pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
-      });
+      for_each_piece(
+          l, lo, std::min(l.total(), lo + kReduceChunk), [&](size_t s, int64_t off, int64_t n) {
+            const Span& sp = l.spans[s];
+            pieces.scale(sp.dtype, static_cast<char*>(sp.data) + off * elementSize(sp.dtype), n, c);
+          });
     }
   });
 }
@@ -211,8 +216,8 @@ std::pair<double, double> clip_coef_of(double acc, NormKind kind, double p, doub
   double norm = 0.0, coef = 0.0;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_of", [&] {
     using Acc = at::opmath_type<scalar_t>;
-    const auto t = static_cast<scalar_t>(
-        norm_finish<Acc>(static_cast<Acc>(acc), kind, static_cast<Acc>(p)));
+    const auto t = static_cast<scalar_t>(norm_finish<Acc>(static_cast<Acc>(acc), kind,
+                                                          static_cast<Acc>(p)));
     *static_cast<scalar_t*>(total) = t;
     norm = static_cast<double>(t);
     coef = static_cast<double>(clip_coefficient<scalar_t>(t, static_cast<Acc>(max_norm)));

@@ -37,13 +37,15 @@ template <typename Acc, typename Op>
 __device__ Acc block_reduce(Acc v, Op op) {
   __shared__ Acc shared[kThreads / 32];
   __syncthreads();  // a previous call's readers are done with `shared`
-  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
+  for (int offset = 16; offset > 0; offset /= 2)
+    v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   v = threadIdx.x < kThreads / 32 ? shared[lane] : Acc(0);
   if (warp == 0)
-    for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
+    for (int offset = 16; offset > 0; offset /= 2)
+      v = op(v, __shfl_down_sync(0xffffffffu, v, offset));
   return v;
 }
 
@@ -58,7 +60,8 @@ __global__ void sum_squares_kernel(const T* __restrict__ x, int64_t n, Acc* __re
 }
 
 template <typename Acc>
-__global__ void sum_partials_kernel(const Acc* __restrict__ partial, int count, Acc* __restrict__ out) {
+__global__ void sum_partials_kernel(const Acc* __restrict__ partial, int count,
+                                    Acc* __restrict__ out) {
   Acc acc(0);
   for (int i = threadIdx.x; i < count; i += blockDim.x) acc += partial[i];
   acc = block_reduce(acc, Plus<Acc>{});
@@ -71,18 +74,21 @@ at::Tensor sum_squares_cuda(const at::Tensor& x) {
   const auto acc_dtype = reduction_dtype(x);
   auto out = at::empty({}, x.options().dtype(acc_dtype));
   const int64_t n = x.numel();
-  const int blocks = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, (n + kThreads - 1) / kThreads)));
+  const int blocks = static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(kMaxBlocks, (n + kThreads - 1) / kThreads)));
   auto partial = at::empty({blocks}, x.options().dtype(acc_dtype));
   auto stream = c10::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "sum_squares_cuda", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    sum_squares_kernel<scalar_t, Acc><<<blocks, kThreads, 0, stream>>>(
-        x.const_data_ptr<scalar_t>(), n, partial.mutable_data_ptr<Acc>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    sum_partials_kernel<Acc><<<1, kThreads, 0, stream>>>(
-        partial.const_data_ptr<Acc>(), blocks, out.mutable_data_ptr<Acc>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "sum_squares_cuda", [&] {
+        using Acc = at::opmath_type<scalar_t>;
+        sum_squares_kernel<scalar_t, Acc>
+            <<<blocks, kThreads, 0, stream>>>(x.const_data_ptr<scalar_t>(), n,
+                                              partial.mutable_data_ptr<Acc>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        sum_partials_kernel<Acc><<<1, kThreads, 0, stream>>>(partial.const_data_ptr<Acc>(), blocks,
+                                                             out.mutable_data_ptr<Acc>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
   return out;
 }
 
@@ -153,7 +159,8 @@ struct DtypeGroup {
 std::vector<DtypeGroup> group_by_dtype(const SpanList& l) {
   std::vector<DtypeGroup> groups;
   for (const Span& s : l.spans) {
-    auto it = std::find_if(groups.begin(), groups.end(), [&](const DtypeGroup& g) { return g.dtype == s.dtype; });
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const DtypeGroup& g) { return g.dtype == s.dtype; });
     if (it == groups.end()) it = groups.insert(groups.end(), DtypeGroup{s.dtype, {}, {}});
     it->ptrs.push_back({s.data});
     it->numels.push_back(s.numel);
@@ -162,13 +169,14 @@ std::vector<DtypeGroup> group_by_dtype(const SpanList& l) {
 }
 
 template <NormKind K, typename Out>
-void launch_norm_partial(const std::vector<DtypeGroup>& groups, double p, Out* partial,
-                         Out* out, cudaStream_t stream) {
+void launch_norm_partial(const std::vector<DtypeGroup>& groups, double p, Out* partial, Out* out,
+                         cudaStream_t stream) {
   int64_t base = 0;
   for (const DtypeGroup& g : groups) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.dtype, "norm_partial_cuda", [&] {
       launch_chunks<1>(g.ptrs, g.numels, [&](const ChunkTable<1>& t, int blocks, int64_t first) {
-        norm_partial_kernel<K, scalar_t, Out><<<blocks, kThreads, 0, stream>>>(t, partial, base + first, p);
+        norm_partial_kernel<K, scalar_t, Out>
+            <<<blocks, kThreads, 0, stream>>>(t, partial, base + first, p);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
@@ -192,8 +200,9 @@ at::Tensor norm_partial_cuda(at::TensorList tensors, double norm_type) {
   auto stream = c10::cuda::getCurrentCUDAStream();
   with_norm_kind(kind, [&](auto k) {
     AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "norm_partial_cuda_out", [&] {
-      launch_norm_partial<decltype(k)::value, scalar_t>(
-          groups, norm_type, partial.mutable_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(), stream);
+      launch_norm_partial<decltype(k)::value, scalar_t>(groups, norm_type,
+                                                        partial.mutable_data_ptr<scalar_t>(),
+                                                        out.mutable_data_ptr<scalar_t>(), stream);
     });
   });
   return out;
@@ -247,13 +256,14 @@ void scale_cuda_(at::TensorList tensors, const at::Tensor& factor_in) {
   for (const DtypeGroup& g : groups) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.dtype, "scale_cuda_", [&] {
       using T = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, factor.scalar_type(), "scale_cuda_factor", [&] {
-        const scalar_t* f = factor.const_data_ptr<scalar_t>();
-        launch_chunks<1>(g.ptrs, g.numels, [&](const ChunkTable<1>& t, int blocks, int64_t) {
-          scale_kernel<T, scalar_t><<<blocks, kThreads, 0, stream>>>(t, f);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      });
+      AT_DISPATCH_FLOATING_TYPES_AND2(
+          at::kHalf, at::kBFloat16, factor.scalar_type(), "scale_cuda_factor", [&] {
+            const scalar_t* f = factor.const_data_ptr<scalar_t>();
+            launch_chunks<1>(g.ptrs, g.numels, [&](const ChunkTable<1>& t, int blocks, int64_t) {
+              scale_kernel<T, scalar_t><<<blocks, kThreads, 0, stream>>>(t, f);
+              C10_CUDA_KERNEL_LAUNCH_CHECK();
+            });
+          });
     });
   }
 }
@@ -290,7 +300,8 @@ void launch_accumulate(bool widen, const std::vector<std::array<void*, 2>>& ptrs
                        const std::vector<int64_t>& numels, double scale, cudaStream_t stream) {
   if (!widen) {
     launch_chunks<2>(ptrs, numels, [&](const ChunkTable<2>& t, int blocks, int64_t) {
-      accumulate_kernel<TG, TG><<<blocks, kThreads, 0, stream>>>(t, static_cast<at::opmath_type<TG>>(scale));
+      accumulate_kernel<TG, TG>
+          <<<blocks, kThreads, 0, stream>>>(t, static_cast<at::opmath_type<TG>>(scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else if constexpr (!std::is_same_v<TG, float> && !std::is_same_v<TG, double>) {
@@ -324,7 +335,8 @@ void accumulate_cuda_(at::TensorList acc, at::TensorList grads, double scale) {
       ptrs.emplace_back();
       numels.emplace_back();
     }
-    ptrs[it->second].push_back({acc[i].mutable_data_ptr(), const_cast<void*>(grads[i].const_data_ptr())});
+    ptrs[it->second].push_back({acc[i].mutable_data_ptr(),
+                                const_cast<void*>(grads[i].const_data_ptr())});
     numels[it->second].push_back(acc[i].numel());
   }
   auto stream = c10::cuda::getCurrentCUDAStream();
@@ -340,7 +352,8 @@ __global__ void clip_coef_kernel(const P* __restrict__ partial, NormKind kind, d
                                  double max_norm, T* __restrict__ total,
                                  at::opmath_type<T>* __restrict__ coef) {
   using Acc = at::opmath_type<T>;
-  const T t = static_cast<T>(norm_finish<Acc>(static_cast<Acc>(partial[0]), kind, static_cast<Acc>(p)));
+  const T t = static_cast<T>(norm_finish<Acc>(static_cast<Acc>(partial[0]), kind,
+                                              static_cast<Acc>(p)));
   *total = t;
   *coef = clip_coefficient<T>(t, static_cast<Acc>(max_norm));
 }
@@ -356,12 +369,14 @@ std::tuple<at::Tensor, at::Tensor> clip_coef_cuda(const at::Tensor& partial, dou
   auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES(partial.scalar_type(), "clip_coef_cuda", [&] {
     using P = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_cuda_norm", [&] {
-      clip_coef_kernel<P, scalar_t><<<1, 1, 0, stream>>>(
-          partial.const_data_ptr<P>(), kind, norm_type, max_norm, total.mutable_data_ptr<scalar_t>(),
-          coef.mutable_data_ptr<at::opmath_type<scalar_t>>());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
+    AT_DISPATCH_FLOATING_TYPES_AND2(
+        at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_cuda_norm", [&] {
+          clip_coef_kernel<P, scalar_t>
+              <<<1, 1, 0, stream>>>(partial.const_data_ptr<P>(), kind, norm_type, max_norm,
+                                    total.mutable_data_ptr<scalar_t>(),
+                                    coef.mutable_data_ptr<at::opmath_type<scalar_t>>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        });
   });
   return {total, coef};
 }

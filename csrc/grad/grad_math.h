@@ -115,9 +115,7 @@ C10_HOST_DEVICE inline TA scaled_add(TA acc, TG grad, Acc scale) {
 // Elements a kernel may treat as one flat span: dense, non-overlapping (any stride order,
 // so channels-last and transposed gradients qualify; their memory is exactly numel slots
 // starting at data_ptr).
-inline bool is_flat_span(const at::Tensor& t) {
-  return t.is_non_overlapping_and_dense();
-}
+inline bool is_flat_span(const at::Tensor& t) { return t.is_non_overlapping_and_dense(); }
 
 // The checks every list op makes: non-empty, floating, one device. Returns that device.
 inline c10::Device check_tensor_list(at::TensorList ts, const char* op, const char* arg) {
@@ -143,8 +141,10 @@ inline at::ScalarType partial_dtype(at::TensorList ts) {
 inline void check_partial(const at::Tensor& partial, at::ScalarType norm_dtype, const char* op) {
   TORCH_CHECK(partial.dim() == 1 && partial.numel() == 2 && partial.is_contiguous() &&
                   (partial.scalar_type() == at::kFloat || partial.scalar_type() == at::kDouble),
-              op, ": partial must be a contiguous float32/float64 tensor of shape [2] "
-              "(as norm_partial returns it), got ", partial.scalar_type(), partial.sizes());
+              op,
+              ": partial must be a contiguous float32/float64 tensor of shape [2] "
+              "(as norm_partial returns it), got ",
+              partial.scalar_type(), partial.sizes());
   TORCH_CHECK(at::isFloatingType(norm_dtype), op, ": norm_dtype must be floating, got ",
               norm_dtype);
 }
@@ -159,8 +159,9 @@ inline void check_accumulate_pair(const at::Tensor& acc, const at::Tensor& grad,
   const bool same = acc.scalar_type() == grad.scalar_type();
   const bool widen = acc.scalar_type() == at::kFloat &&
                      (grad.scalar_type() == at::kHalf || grad.scalar_type() == at::kBFloat16);
-  TORCH_CHECK(same || widen, op, ": acc[", i, "] is ", acc.scalar_type(), " and grads[", i,
-              "] is ", grad.scalar_type(), "; acc must have grad's dtype, or float32 for a "
+  TORCH_CHECK(same || widen, op, ": acc[", i, "] is ", acc.scalar_type(), " and grads[", i, "] is ",
+              grad.scalar_type(),
+              "; acc must have grad's dtype, or float32 for a "
               "float16/bfloat16 grad");
 }
 

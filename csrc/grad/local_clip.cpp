@@ -28,8 +28,7 @@ namespace py = pybind11;
 
 class LocalClip {
  public:
-  LocalClip(double max_norm, double norm_type, bool error_if_nonfinite,
-            comm::ProcessGroupPtr pg)
+  LocalClip(double max_norm, double norm_type, bool error_if_nonfinite, comm::ProcessGroupPtr pg)
       : error_if_nonfinite_(error_if_nonfinite), pg_(std::move(pg)) {
     set(max_norm, norm_type);
   }
@@ -50,8 +49,8 @@ class LocalClip {
                               .typed<at::Tensor(at::TensorList, double)>();
     static auto coef_op = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("pycomm::clip_coef", "")
-                              .typed<std::tuple<at::Tensor, at::Tensor>(
-                                  const at::Tensor&, double, double, at::ScalarType)>();
+                              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double,
+                                                                        double, at::ScalarType)>();
     static auto scale_op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("pycomm::scale_", "")
                                .typed<void(at::TensorList, const at::Tensor&)>();
@@ -112,11 +111,14 @@ class LocalClip {
                                  "unclipped ones";
     TORCH_CHECK(flag[rank] == 0.0f, "pycomm DDP local clipping (rank ", rank,
                 "): the total norm of order ", norm_type, " of this rank's local gradients is ",
-                std::isnan(total.item<double>()) ? "nan" : "inf", ", so it cannot be clipped "
-                "(DDPConfig.local_clip_error_if_nonfinite=True)", left);
+                std::isnan(total.item<double>()) ? "nan" : "inf",
+                ", so it cannot be clipped "
+                "(DDPConfig.local_clip_error_if_nonfinite=True)",
+                left);
     TORCH_CHECK(false, "pycomm DDP local clipping (rank ", rank, "): rank(s) ", bad.str(),
                 " had a non-finite local gradient norm "
-                "(DDPConfig.local_clip_error_if_nonfinite=True)", left);
+                "(DDPConfig.local_clip_error_if_nonfinite=True)",
+                left);
   }
 
   const bool error_if_nonfinite_;

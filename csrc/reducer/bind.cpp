@@ -104,32 +104,29 @@ void bind_reducer(py::module& m) {
                        const comm::ProcessGroupPtr& pg, bool as_view, bool find_unused,
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
                        std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
-                       bool batched_grad_copy,
-                       bool inline_collectives, bool main_grad_only, bool streaming_copies,
-                       bool shared_buckets) {
-             reducer::ReducerOptions o{as_view, find_unused, static_graph, record_timeline,
-                                       timeline_steps, reduce_dtype};
+                       bool batched_grad_copy, bool inline_collectives, bool main_grad_only,
+                       bool streaming_copies, bool shared_buckets) {
+             reducer::ReducerOptions o{as_view,         find_unused,    static_graph,
+                                       record_timeline, timeline_steps, reduce_dtype};
              o.skip_all_reduce_unused = skip_unused;
              o.batched_grad_copy = batched_grad_copy;
              o.inline_collectives = inline_collectives;
              o.main_grad_only = main_grad_only;
              o.streaming_copies = streaming_copies;
              o.shared_buckets = shared_buckets;
-             return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment,
-                                              pg, o));
+             return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment, pg,
+                                              o));
            }),
            py::arg("params"), py::arg("names"), py::arg("assignment"), py::arg("process_group"),
            py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
            py::arg("static_graph") = false, py::arg("record_timeline") = true,
            py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
-           py::arg("skip_all_reduce_unused_params") = false,
-           py::arg("batched_grad_copy") = false,
+           py::arg("skip_all_reduce_unused_params") = false, py::arg("batched_grad_copy") = false,
            py::arg("inline_collectives") = false, py::arg("main_grad_only") = false,
            py::arg("streaming_copies") = true, py::arg("shared_buckets") = true)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
-      .def("prepare_no_sync", &Reducer::prepare_no_sync,
-           py::call_guard<py::gil_scoped_release>())
+      .def("prepare_no_sync", &Reducer::prepare_no_sync, py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::arg("assignment"))
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
       .def_property_readonly("buckets_shared", &Reducer::buckets_shared,
@@ -146,27 +143,35 @@ void bind_reducer(py::module& m) {
       .def("set_divide_factor", &Reducer::set_divide_factor, py::arg("factor"))
       .def("set_peer_hosts", &Reducer::set_peer_hosts, py::arg("hosts"),
            "[(address, 'hostname: ranks ...')] per host, named in failure messages")
-      .def("register_comm_hook",
-           [](Reducer& r, py::object state, py::object hook) {
-             r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
-                                                                       std::move(hook)));
-           },
-           py::arg("state"), py::arg("hook"))
+      .def(
+          "register_comm_hook",
+          [](Reducer& r, py::object state, py::object hook) {
+            r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
+                                                                      std::move(hook)));
+          },
+          py::arg("state"), py::arg("hook"))
       .def("has_comm_hook", &Reducer::has_python_comm_hook)
-      .def("add_pre_launch",
-           [](Reducer& r, py::function fn) { r.add_pre_launch(python_bucket_callback(std::move(fn))); },
-           py::arg("fn"), "fn(bucket_index, bucket_buffer) before the bucket's collective")
-      .def("add_post_done",
-           [](Reducer& r, py::function fn) { r.add_post_done(python_bucket_callback(std::move(fn))); },
-           py::arg("fn"), "fn(bucket_index, reduced_buffer) when the bucket's collective is done")
+      .def(
+          "add_pre_launch",
+          [](Reducer& r, py::function fn) {
+            r.add_pre_launch(python_bucket_callback(std::move(fn)));
+          },
+          py::arg("fn"), "fn(bucket_index, bucket_buffer) before the bucket's collective")
+      .def(
+          "add_post_done",
+          [](Reducer& r, py::function fn) {
+            r.add_post_done(python_bucket_callback(std::move(fn)));
+          },
+          py::arg("fn"), "fn(bucket_index, reduced_buffer) when the bucket's collective is done")
       .def("zeros_like_grad_buckets", &zeros_like_grad_buckets)
-      .def("timelines",
-           [](const Reducer& r, size_t n) {
-             py::list out;
-             for (const auto& step : r.timelines(n)) out.append(timeline_dict(step, r.names()));
-             return out;
-           },
-           py::arg("n") = 1);
+      .def(
+          "timelines",
+          [](const Reducer& r, size_t n) {
+            py::list out;
+            for (const auto& step : r.timelines(n)) out.append(timeline_dict(step, r.names()));
+            return out;
+          },
+          py::arg("n") = 1);
 }
 
 }  // namespace pycomm

@@ -13,9 +13,7 @@ namespace {
 
 using Key = std::tuple<c10::DeviceType, c10::DeviceIndex, at::ScalarType>;
 
-Key key_of(const at::Tensor& t) {
-  return {t.device().type(), t.device().index(), t.scalar_type()};
-}
+Key key_of(const at::Tensor& t) { return {t.device().type(), t.device().index(), t.scalar_type()}; }
 
 struct OpenBucket {
   std::vector<size_t> params;
@@ -23,9 +21,7 @@ struct OpenBucket {
   size_t limit_index = 0;
 };
 
-int64_t bytes_of(const at::Tensor& p) {
-  return p.numel() * static_cast<int64_t>(p.element_size());
-}
+int64_t bytes_of(const at::Tensor& p) { return p.numel() * static_cast<int64_t>(p.element_size()); }
 
 // Per position of `order`: the bytes of its parameter's group (and key) that come after it.
 std::vector<int64_t> group_bytes_after(const std::vector<at::Tensor>& params,
@@ -52,8 +48,9 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
   TORCH_CHECK_VALUE(!byte_limits.empty(), "assign_buckets: byte_limits is empty");
   TORCH_CHECK_VALUE(order.size() == params.size(), "assign_buckets: order has ", order.size(),
                     " entries for ", params.size(), " parameters");
-  TORCH_CHECK_VALUE(groups.empty() || groups.size() == params.size(), "assign_buckets: ",
-                    groups.size(), " groups for ", params.size(), " parameters");
+  TORCH_CHECK_VALUE(groups.empty() || groups.size() == params.size(),
+                    "assign_buckets: ", groups.size(), " groups for ", params.size(),
+                    " parameters");
   std::vector<bool> seen(params.size(), false);
   for (size_t index : order) {
     TORCH_CHECK_VALUE(index < params.size() && !seen[index],
@@ -104,8 +101,8 @@ at::Tensor view_for(const at::Tensor& buffer, const at::Tensor& param, int64_t o
 
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-    const std::vector<std::vector<size_t>>& assignment,
-    std::optional<at::ScalarType> reduce_dtype, const BufferFactory& factory) {
+    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> reduce_dtype,
+    const BufferFactory& factory) {
   std::vector<std::unique_ptr<Bucket>> buckets;
   std::vector<bool> placed(params.size(), false);
   std::vector<int64_t> numels;

@@ -72,7 +72,7 @@ using BufferFactory = std::function<std::vector<at::Tensor>(const std::vector<in
 // bucket is on the CPU, `factory` (if set) may provide the buffers.
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-    const std::vector<std::vector<size_t>>& assignment,
-    std::optional<at::ScalarType> reduce_dtype, const BufferFactory& factory = {});
+    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> reduce_dtype,
+    const BufferFactory& factory = {});
 
 }  // namespace pycomm::reducer

@@ -1,8 +1,8 @@
 // Bucket reductions (see comm_hook.h).
 #include "reducer/comm_hook.h"
 
-#include <torch/csrc/distributed/c10d/comm.hpp>
 #include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/distributed/c10d/comm.hpp>
 
 namespace pycomm::reducer {
 
@@ -37,8 +37,8 @@ py::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
   std::vector<at::Tensor> members;
   members.reserve(bucket.params.size());
   for (size_t index : bucket.params) members.push_back(params[index]);
-  c10d::GradBucket grad_bucket(bucket.index, bucket_count, buffer, bucket.offsets,
-                               bucket.lengths, bucket.sizes, std::move(members), std::nullopt);
+  c10d::GradBucket grad_bucket(bucket.index, bucket_count, buffer, bucket.offsets, bucket.lengths,
+                               bucket.sizes, std::move(members), std::nullopt);
   return py::cast(std::move(grad_bucket));
 }
 
@@ -46,8 +46,8 @@ FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
                               const std::vector<at::Tensor>& params) {
   py::gil_scoped_acquire gil;
   try {
-    py::object result = hook_(state_, make_grad_bucket(bucket, bucket_count, params,
-                                                       bucket.buffer));
+    py::object result = hook_(state_,
+                              make_grad_bucket(bucket, bucket_count, params, bucket.buffer));
     auto ivalue = torch::jit::toIValue(result, c10::FutureType::create(c10::AnyType::get()));
     return ivalue.toFuture();
   } catch (py::error_already_set& e) {

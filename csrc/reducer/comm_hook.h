@@ -29,7 +29,8 @@ class AllreduceSumHook final : public CommHook {
  public:
   AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
       : pg_(std::move(pg)), run_inline_(run_inline) {}
-  FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params) override;
+  FuturePtr run(Bucket& bucket, size_t bucket_count,
+                const std::vector<at::Tensor>& params) override;
   bool reducer_divides() const override { return true; }
 
  private:
@@ -42,7 +43,8 @@ class PythonCommHook final : public CommHook {
  public:
   PythonCommHook(pybind11::object state, pybind11::object hook);
   ~PythonCommHook() override;
-  FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params) override;
+  FuturePtr run(Bucket& bucket, size_t bucket_count,
+                const std::vector<at::Tensor>& params) override;
   bool reducer_divides() const override { return false; }
 
  private:
@@ -52,8 +54,7 @@ class PythonCommHook final : public CommHook {
 
 // A real torch GradBucket over `bucket` (its buffer, or `buffer` when given).
 pybind11::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
-                                  const std::vector<at::Tensor>& params,
-                                  const at::Tensor& buffer);
+                                  const std::vector<at::Tensor>& params, const at::Tensor& buffer);
 
 // The tensor a bucket future completed with (a Tensor or a list holding one).
 at::Tensor result_tensor(const c10::IValue& value);

@@ -138,9 +138,14 @@ void Reducer::fail_unready() {
   reset_step();
   local_used_.zero_();
   state_ = State::kIdle;
-  TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): ", count, " parameter(s) did not receive "
-              "a gradient in this backward, so bucket ", first_unlaunched, " and later were "
-              "never reduced: ", missing.str(), ". These parameters were not used to compute "
+  TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): ", count,
+              " parameter(s) did not receive "
+              "a gradient in this backward, so bucket ",
+              first_unlaunched,
+              " and later were "
+              "never reduced: ",
+              missing.str(),
+              ". These parameters were not used to compute "
               "the loss: pass find_unused_parameters=True to DistributedDataParallel, or make "
               "sure every parameter takes part (or set requires_grad=False before wrapping).");
 }

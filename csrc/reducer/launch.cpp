@@ -34,8 +34,8 @@ void Reducer::begin_backward_locked() {
   state_ = State::kBackward;
   if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
   const c10::Device device = buckets_.front()->buffer.device();
-  stamps_ = options_.record_timeline && !device.is_cpu()
-                ? std::make_shared<DeviceStamps>(device) : nullptr;
+  stamps_ = options_.record_timeline && !device.is_cpu() ? std::make_shared<DeviceStamps>(device)
+                                                         : nullptr;
   scale_value_ = 1.0 / static_cast<double>(div_factor_);
   scale_ = at::native::wrapped_scalar_tensor(scale_value_);
   queue_finalize();
@@ -48,8 +48,8 @@ void Reducer::autograd_hook(size_t index) {
   if (track_used_) local_used_.data_ptr<int32_t>()[index] = 1;
   if (widened_[index]) accumulate_main_grad(index);
   if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
-  TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ",
-              names_[index], " got a gradient after this step was already reduced: backward "
+  TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
+              " got a gradient after this step was already reduced: backward "
               "ran twice without a forward through the DistributedDataParallel wrapper");
   if (state_ == State::kPrepared) begin_backward_locked();
   last_hooked_ = static_cast<int64_t>(index);
@@ -94,7 +94,8 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
     view.zero_();
     return;
   }
-  TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
+  TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index],
+                    " has a sparse gradient: "
                     "pycomm DDP reduces dense gradients only (use sparse=False)");
   if (options_.batched_grad_copy && !grad.is_alias_of(view)) {
     // See ReducerOptions::batched_grad_copy. A grad that requires grad (create_graph)

@@ -48,7 +48,8 @@ void Reducer::note_widened() {
 void Reducer::accumulate_main_grad(size_t index) {
   at::Tensor& grad = params_[index].mutable_grad();
   if (!grad.defined()) return;
-  TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index], " has a sparse gradient: "
+  TORCH_CHECK_VALUE(!grad.is_sparse(), "parameter ", names_[index],
+                    " has a sparse gradient: "
                     "pycomm DDP reduces dense gradients only (use sparse=False)");
   const at::Tensor view = grad_view(index);
   if (accumulated_[index]) {

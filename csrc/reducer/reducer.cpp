@@ -88,8 +88,8 @@ void Reducer::install_hooks() {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[index]);
     TORCH_CHECK(accumulator, "parameter ", names_[index], " has no gradient accumulator");
     std::weak_ptr<Reducer*> weak = self_;
-    hook_keys_.push_back(accumulator->add_post_hook(
-        std::make_unique<torch::autograd::utils::LambdaPostHook>(
+    hook_keys_.push_back(
+        accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [weak, index](const torch::autograd::variable_list& outputs,
                           const torch::autograd::variable_list& /*inputs*/) {
               if (auto reducer = weak.lock()) (*reducer)->autograd_hook(index);
@@ -174,8 +174,8 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
   for (size_t i = 0; i < params_.size(); ++i) {
     // A RuntimeError, as torch's (which raises one a forward later, when the step this
     // parameter left unfinished is found): code written for torch's DDP catches it.
-    TORCH_CHECK(params_[i].requires_grad(), "pycomm DDP (rank ", rank_, "): parameter ",
-                names_[i], " no longer requires grad: requires_grad changed after "
+    TORCH_CHECK(params_[i].requires_grad(), "pycomm DDP (rank ", rank_, "): parameter ", names_[i],
+                " no longer requires grad: requires_grad changed after "
                 "DistributedDataParallel was constructed; wrap the module again");
   }
   reset_step();

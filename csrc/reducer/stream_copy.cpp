@@ -71,12 +71,11 @@ bool overlap(const at::Tensor& a, const at::Tensor& b) {
 
 bool stream_copy(const at::Tensor& dst, const at::Tensor& src, std::optional<double> scale) {
 #ifdef PYCOMM_STREAM_COPY
-  if (!dst.device().is_cpu() || !src.device().is_cpu() ||
-      dst.scalar_type() != at::kFloat || src.scalar_type() != at::kFloat ||
-      dst.numel() != src.numel() || !dst.is_contiguous() || !src.is_contiguous() ||
-      dst.is_sparse() || src.is_sparse() || dst.is_neg() || src.is_neg() ||
-      dst.is_conj() || src.is_conj() ||
-      static_cast<int64_t>(dst.nbytes()) < kStreamCopyMinBytes || overlap(dst, src)) {
+  if (!dst.device().is_cpu() || !src.device().is_cpu() || dst.scalar_type() != at::kFloat ||
+      src.scalar_type() != at::kFloat || dst.numel() != src.numel() || !dst.is_contiguous() ||
+      !src.is_contiguous() || dst.is_sparse() || src.is_sparse() || dst.is_neg() || src.is_neg() ||
+      dst.is_conj() || src.is_conj() || static_cast<int64_t>(dst.nbytes()) < kStreamCopyMinBytes ||
+      overlap(dst, src)) {
     return false;
   }
   float* out = dst.mutable_data_ptr<float>();

@@ -13,7 +13,8 @@ void Reducer::find_unused(const std::vector<at::Tensor>& outputs) {
   for (const auto& out : outputs) {
     if (!out.defined() || !out.requires_grad()) continue;
     auto edge = torch::autograd::impl::gradient_edge(out);
-    if (edge.function && seen.insert(edge.function.get()).second) stack.push_back(edge.function.get());
+    if (edge.function && seen.insert(edge.function.get()).second)
+      stack.push_back(edge.function.get());
   }
   while (!stack.empty()) {
     torch::autograd::Node* node = stack.back();
@@ -46,7 +47,8 @@ bool Reducer::static_hook_pending(size_t index) {
   }
   TORCH_CHECK(seen <= expected_hooks_[index], "pycomm DDP (rank ", rank_, "): parameter ",
               names_[index], " received ", seen, " gradient hooks in this backward, but ",
-              expected_hooks_[index], " in the first step: static_graph=True needs the same "
+              expected_hooks_[index],
+              " in the first step: static_graph=True needs the same "
               "graph every step (the same parameters used the same number of times)");
   return seen < expected_hooks_[index];
 }

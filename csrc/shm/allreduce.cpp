@@ -55,8 +55,8 @@ struct Parts {
 
 }  // namespace
 
-void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype,
-                        c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                        const OpContext& ctx) {
   const size_t bytes = n * c10::elementSize(dtype);
   if (bytes <= std::min(kWholeReduceBytes, segment_->slot_bytes())) {
     allreduce_whole(data, n, dtype, op, ctx);
@@ -129,7 +129,6 @@ void Channel::allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
   }
 }
 
-
 // Note [Symmetric all-reduce]
 // Every rank's tensor lies at the same offset of its own arena file, which every other rank
 // has mapped (Note [Symmetric buffers]). One phase says that every rank's values are in
@@ -164,8 +163,8 @@ void Channel::allreduce_symmetric(const Arena& arena, size_t offset, int64_t n,
     TORCH_CHECK(p == rank_ || std::memcmp(&other, &call, sizeof(call)) == 0,
                 "pycomm all_reduce of a symmetric buffer: rank ", rank_, " passed ", n,
                 " elements of dtype ", dtype, " at byte ", offset, " of arena ", arena.id(),
-                ", rank ", p, " passed ", other.n, " elements at byte ", other.offset,
-                " of arena ", other.arena, " (dtype ", static_cast<c10::ScalarType>(other.dtype),
+                ", rank ", p, " passed ", other.n, " elements at byte ", other.offset, " of arena ",
+                other.arena, " (dtype ", static_cast<c10::ScalarType>(other.dtype),
                 "): every rank must all-reduce the same bucket");
   }
   const int64_t chunk = static_cast<int64_t>(kSymmetricChunkBytes / elem);

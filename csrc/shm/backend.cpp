@@ -21,8 +21,7 @@ constexpr size_t kSlotBytes = 512 << 10;
 constexpr size_t kMailboxBytes = 256 << 10;  // per ordered pair of ranks (send/recv)
 
 // Byte offsets and lengths of the dim-0 blocks of `t` given split sizes (even if empty).
-Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& sizes,
-             int world) {
+Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& sizes, int world) {
   const int64_t rows = t.dim() == 0 ? 1 : t.size(0);
   const size_t row_bytes = rows == 0 ? 0 : t.nbytes() / rows;
   std::vector<int64_t> counts = sizes;
@@ -31,8 +30,8 @@ Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& si
                       ") does not split evenly over ", world, " ranks");
     counts.assign(world, rows / world);
   }
-  TORCH_CHECK_VALUE(static_cast<int>(counts.size()) == world, "pycomm ", op, ": ",
-                    counts.size(), " split sizes for ", world, " ranks");
+  TORCH_CHECK_VALUE(static_cast<int>(counts.size()) == world, "pycomm ", op, ": ", counts.size(),
+                    " split sizes for ", world, " ranks");
   Split s;
   size_t off = 0;
   for (int64_t c : counts) {
@@ -40,8 +39,8 @@ Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& si
     s.bytes.push_back(c * row_bytes);
     off += c * row_bytes;
   }
-  TORCH_CHECK_VALUE(off == t.nbytes(), "pycomm ", op, ": split sizes cover ", off,
-                    " bytes of a ", t.nbytes(), "-byte tensor");
+  TORCH_CHECK_VALUE(off == t.nbytes(), "pycomm ", op, ": split sizes cover ", off, " bytes of a ",
+                    t.nbytes(), "-byte tensor");
   return s;
 }
 
@@ -86,9 +85,8 @@ void ShmBackend::stop() {
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType type,
-                                                   std::vector<at::Tensor> outputs,
-                                                   Body body, const Lane& lane,
-                                                   bool blocking) {
+                                                   std::vector<at::Tensor> outputs, Body body,
+                                                   const Lane& lane, bool blocking) {
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   uint64_t seq = next_seq_++;
   // A blocking call on an idle lane runs here and returns its Work already completed: no
@@ -141,11 +139,14 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& te
   const at::Tensor& t = single("broadcast", tensors);
   int root = static_cast<int>(opts.rootRank);
   check_rank("broadcast", "root", root, size_);
-  return enqueue("broadcast", c10d::OpType::BROADCAST, {t}, [this, t, root](const OpContext& c) {
-    Dense d(t);
-    channel_->broadcast(d.data(), d.bytes(), root, c);
-    d.write_back();
-  }, opts);
+  return enqueue(
+      "broadcast", c10d::OpType::BROADCAST, {t},
+      [this, t, root](const OpContext& c) {
+        Dense d(t);
+        channel_->broadcast(d.data(), d.bytes(), root, c);
+        d.write_back();
+      },
+      opts);
 }
 
 void ShmBackend::allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op,
@@ -185,8 +186,8 @@ std::vector<at::Tensor> ShmBackend::symmetric_buffers(const std::vector<int64_t>
   std::vector<size_t> offsets;
   size_t bytes = 0;
   for (size_t i = 0; i < numels.size(); ++i) {
-    TORCH_CHECK_VALUE(numels[i] >= 0, "pycomm symmetric_buffers: buffer ", i, " has ",
-                      numels[i], " elements");
+    TORCH_CHECK_VALUE(numels[i] >= 0, "pycomm symmetric_buffers: buffer ", i, " has ", numels[i],
+                      " elements");
     offsets.push_back(bytes);
     bytes += (numels[i] * c10::elementSize(dtypes[i]) + kAlign - 1) / kAlign * kAlign;
   }
@@ -194,11 +195,12 @@ std::vector<at::Tensor> ShmBackend::symmetric_buffers(const std::vector<int64_t>
   auto made = std::make_shared<std::shared_ptr<Arena>>();
   auto reason = std::make_shared<std::string>();
   const uint64_t id = next_arena_++;
-  enqueue("symmetric_buffers", c10d::OpType::UNKNOWN, {},
-          [this, made, reason, id, bytes](const OpContext& c) {
-            *made = channel_->map_arena(name_, id, bytes, *reason, c);
-          },
-          collectives_, /*blocking=*/true)
+  enqueue(
+      "symmetric_buffers", c10d::OpType::UNKNOWN, {},
+      [this, made, reason, id, bytes](const OpContext& c) {
+        *made = channel_->map_arena(name_, id, bytes, *reason, c);
+      },
+      collectives_, /*blocking=*/true)
       ->wait();
   std::shared_ptr<Arena> arena = *made;
   why = *reason;
@@ -210,9 +212,9 @@ std::vector<at::Tensor> ShmBackend::symmetric_buffers(const std::vector<int64_t>
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < numels.size(); ++i) {
     // Each tensor holds the arena: the mappings go with the last of them.
-    out.push_back(at::from_blob(arena->mine() + offsets[i], {numels[i]},
-                                [arena](void*) mutable { arena.reset(); },
-                                at::TensorOptions().dtype(dtypes[i])));
+    out.push_back(at::from_blob(
+        arena->mine() + offsets[i], {numels[i]}, [arena](void*) mutable { arena.reset(); },
+        at::TensorOptions().dtype(dtypes[i])));
   }
   return out;
 }
@@ -222,8 +224,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& te
   const at::Tensor& t = single("all_reduce", tensors);
   check_reduction("all_reduce", t.scalar_type(), opts.reduceOp);
   auto op = opts.reduceOp.op_;
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t},
-                 [this, t, op](const OpContext& c) { allreduce_body(t, op, c); }, opts);
+  return enqueue(
+      "all_reduce", c10d::OpType::ALLREDUCE, {t},
+      [this, t, op](const OpContext& c) { allreduce_body(t, op, c); }, opts);
 }
 
 // Note [Inline all-reduce]
@@ -240,8 +243,7 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
   check_dense("all_reduce", tensor);
   check_reduction("all_reduce", tensor.scalar_type(), op);
   const bool ran = collectives_->run_if_idle([&] {
-    run("all_reduce", next_seq_++,
-        [&](const OpContext& c) { allreduce_body(tensor, type, c); });
+    run("all_reduce", next_seq_++, [&](const OpContext& c) { allreduce_body(tensor, type, c); });
   });
   if (ran) return;
   std::vector<at::Tensor> tensors{tensor};
@@ -260,14 +262,16 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(
     check_reduction("all_reduce_coalesced", t.scalar_type(), opts.reduceOp);
   }
   auto op = opts.reduceOp.op_;
-  return enqueue("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
-                 [this, tensors, op](const OpContext& c) {
-                   for (const auto& t : tensors) {
-                     Dense d(t);
-                     channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, c);
-                     d.write_back();
-                   }
-                 }, opts);
+  return enqueue(
+      "all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
+      [this, tensors, op](const OpContext& c) {
+        for (const auto& t : tensors) {
+          Dense d(t);
+          channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, c);
+          d.write_back();
+        }
+      },
+      opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::reduce(std::vector<at::Tensor>& tensors,
@@ -277,28 +281,33 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce(std::vector<at::Tensor>& tenso
   int root = static_cast<int>(opts.rootRank);
   check_rank("reduce", "root", root, size_);
   auto op = opts.reduceOp.op_;
-  return enqueue("reduce", c10d::OpType::REDUCE, {t}, [this, t, op, root](const OpContext& c) {
-    Dense d(t);
-    channel_->reduce(d.data(), d.work.numel(), t.scalar_type(), op, root, c);
-    d.write_back();
-  }, opts);
+  return enqueue(
+      "reduce", c10d::OpType::REDUCE, {t},
+      [this, t, op, root](const OpContext& c) {
+        Dense d(t);
+        channel_->reduce(d.data(), d.work.numel(), t.scalar_type(), op, root, c);
+        d.write_back();
+      },
+      opts);
 }
 
-c10::intrusive_ptr<c10d::Work> ShmBackend::gather_into(const char* op,
-                                                       std::vector<at::Tensor> outs,
+c10::intrusive_ptr<c10d::Work> ShmBackend::gather_into(const char* op, std::vector<at::Tensor> outs,
                                                        const at::Tensor& input,
                                                        const c10d::AllgatherOptions& opts) {
-  return enqueue(op, c10d::OpType::ALLGATHER, outs, [this, outs, input](const OpContext& c) {
-    Dense in(input);
-    DenseList dense(outs);
-    channel_->allgather(in.data(), in.bytes(), dense.ptrs, c);
-    dense.write_back();
-  }, opts);
+  return enqueue(
+      op, c10d::OpType::ALLGATHER, outs,
+      [this, outs, input](const OpContext& c) {
+        Dense in(input);
+        DenseList dense(outs);
+        channel_->allgather(in.data(), in.bytes(), dense.ptrs, c);
+        dense.write_back();
+      },
+      opts);
 }
 
-c10::intrusive_ptr<c10d::Work> ShmBackend::allgather(
-    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
-    const c10d::AllgatherOptions& opts) {
+c10::intrusive_ptr<c10d::Work> ShmBackend::allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) {
   const at::Tensor& in = single("all_gather", inputs);
   TORCH_CHECK_VALUE(outputs.size() == 1 && static_cast<int>(outputs[0].size()) == size_,
                     "pycomm all_gather: expects one list of ", size_, " output tensors");
@@ -314,7 +323,8 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::_allgather_base(at::Tensor& output, a
                     "pycomm all_gather_into_tensor: the output tensor must be contiguous");
   at::Tensor flat = output.reshape({-1});
   std::vector<at::Tensor> blocks;
-  for (int r = 0; r < size_; ++r) blocks.push_back(flat.narrow(0, r * input.numel(), input.numel()));
+  for (int r = 0; r < size_; ++r)
+    blocks.push_back(flat.narrow(0, r * input.numel(), input.numel()));
   return gather_into("all_gather_into_tensor", blocks, input, opts);
 }
 
@@ -328,16 +338,18 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(
   check_reduction("reduce_scatter", out.scalar_type(), opts.reduceOp);
   auto op = opts.reduceOp.op_;
   auto ins = inputs[0];
-  return enqueue("reduce_scatter", c10d::OpType::REDUCE_SCATTER, {out},
-                 [this, out, ins, op](const OpContext& c) {
-                   std::vector<at::Tensor> flat;
-                   for (const auto& i : ins) flat.push_back(i.reshape({-1}));
-                   at::Tensor in = at::cat(flat);
-                   Dense d(out);
-                   channel_->reduce_scatter(static_cast<char*>(in.data_ptr()), d.data(),
-                                            out.numel(), out.scalar_type(), op, c);
-                   d.write_back();
-                 }, opts);
+  return enqueue(
+      "reduce_scatter", c10d::OpType::REDUCE_SCATTER, {out},
+      [this, out, ins, op](const OpContext& c) {
+        std::vector<at::Tensor> flat;
+        for (const auto& i : ins) flat.push_back(i.reshape({-1}));
+        at::Tensor in = at::cat(flat);
+        Dense d(out);
+        channel_->reduce_scatter(static_cast<char*>(in.data_ptr()), d.data(), out.numel(),
+                                 out.scalar_type(), op, c);
+        d.write_back();
+      },
+      opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(
@@ -346,13 +358,15 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(
   check_like("reduce_scatter_tensor", input, output, output.numel() * size_);
   check_reduction("reduce_scatter_tensor", output.scalar_type(), opts.reduceOp);
   auto op = opts.reduceOp.op_;
-  return enqueue("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                 [this, output, input, op](const OpContext& c) {
-                   Dense in(input), out(output);
-                   channel_->reduce_scatter(in.data(), out.data(), output.numel(),
-                                            output.scalar_type(), op, c);
-                   out.write_back();
-                 }, opts);
+  return enqueue(
+      "reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+      [this, output, input, op](const OpContext& c) {
+        Dense in(input), out(output);
+        channel_->reduce_scatter(in.data(), out.data(), output.numel(), output.scalar_type(), op,
+                                 c);
+        out.write_back();
+      },
+      opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall_base(at::Tensor& output, at::Tensor& input,
@@ -366,12 +380,14 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall_base(at::Tensor& output, at:
                     output.scalar_type());
   Split send = splits("all_to_all_single", input, input_splits, size_);
   Split recv = splits("all_to_all_single", output, output_splits, size_);
-  return enqueue("all_to_all_single", c10d::OpType::ALLTOALL_BASE, {output},
-                 [this, output, input, send, recv](const OpContext& c) {
-                   Dense in(input), out(output);
-                   channel_->alltoall(in.data(), send, out.data(), recv, c);
-                   out.write_back();
-                 }, opts);
+  return enqueue(
+      "all_to_all_single", c10d::OpType::ALLTOALL_BASE, {output},
+      [this, output, input, send, recv](const OpContext& c) {
+        Dense in(input), out(output);
+        channel_->alltoall(in.data(), send, out.data(), recv, c);
+        out.write_back();
+      },
+      opts);
 }
 
 // Messages between two ranks match in issue order; `tag` is not used for matching.
@@ -380,10 +396,13 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::send(std::vector<at::Tensor>& tensors
   const at::Tensor& t = single("send", tensors);
   check_rank("send", "destination rank", dst, size_);
   TORCH_CHECK_VALUE(dst != rank_, "pycomm send: rank ", rank_, " cannot send to itself");
-  return enqueue("send", c10d::OpType::SEND, {t}, [this, t, dst](const OpContext& c) {
-    Dense d(t);
-    channel_->send(d.data(), d.bytes(), dst, c);
-  }, sends_);
+  return enqueue(
+      "send", c10d::OpType::SEND, {t},
+      [this, t, dst](const OpContext& c) {
+        Dense d(t);
+        channel_->send(d.data(), d.bytes(), dst, c);
+      },
+      sends_);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::recv(std::vector<at::Tensor>& tensors, int src,
@@ -391,16 +410,20 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::recv(std::vector<at::Tensor>& tensors
   const at::Tensor& t = single("recv", tensors);
   check_rank("recv", "source rank", src, size_);
   TORCH_CHECK_VALUE(src != rank_, "pycomm recv: rank ", rank_, " cannot receive from itself");
-  return enqueue("recv", c10d::OpType::RECV, {t}, [this, t, src](const OpContext& c) {
-    Dense d(t);
-    channel_->recv(d.data(), d.bytes(), src, c);
-    d.write_back();
-  }, receives_);
+  return enqueue(
+      "recv", c10d::OpType::RECV, {t},
+      [this, t, src](const OpContext& c) {
+        Dense d(t);
+        channel_->recv(d.data(), d.bytes(), src, c);
+        d.write_back();
+      },
+      receives_);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::barrier(const c10d::BarrierOptions& opts) {
-  return enqueue("barrier", c10d::OpType::BARRIER, {},
-                 [this](const OpContext& c) { channel_->barrier(c); }, opts);
+  return enqueue(
+      "barrier", c10d::OpType::BARRIER, {}, [this](const OpContext& c) { channel_->barrier(c); },
+      opts);
 }
 
 }  // namespace pycomm::shm

@@ -68,10 +68,8 @@ class ShmBackend : public c10d::Backend {
                                                std::vector<int64_t>& output_splits,
                                                std::vector<int64_t>& input_splits,
                                                const c10d::AllToAllOptions& opts) override;
-  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst,
-                                      int tag) override;
-  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src,
-                                      int tag) override;
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   // Collective (every rank calls it with the same `numels` and `dtypes`, in the same order
   // as its other collectives): one contiguous tensor per entry, zero-filled, cut from one
@@ -102,8 +100,7 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
                                          const Options& opts) {
-    return enqueue(op, type, std::move(outputs), std::move(body), collectives_,
-                   is_blocking(opts));
+    return enqueue(op, type, std::move(outputs), std::move(body), collectives_, is_blocking(opts));
   }
   template <typename Options>
   static bool is_blocking(const Options& opts) {
@@ -115,8 +112,7 @@ class ShmBackend : public c10d::Backend {
   }
   void stop();
   void run(const char* op, uint64_t seq, const Body& body);
-  void allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op,
-                      const OpContext& ctx);
+  void allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op, const OpContext& ctx);
   c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
                                              const at::Tensor& input,
                                              const c10d::AllgatherOptions& opts);

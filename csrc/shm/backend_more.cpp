@@ -23,18 +23,18 @@ void check_entry(const char* op, int root, const char* what, size_t index, const
 
 // The root's list of `world` tensors, each checked against `like` (dtype, numel); every
 // other rank passes none (or one empty list). Checks `root` too.
-std::vector<at::Tensor> root_list(const char* op, const char* what, int rank, int root,
-                                  int world, const std::vector<std::vector<at::Tensor>>& lists,
+std::vector<at::Tensor> root_list(const char* op, const char* what, int rank, int root, int world,
+                                  const std::vector<std::vector<at::Tensor>>& lists,
                                   const at::Tensor& like) {
   check_rank(op, "root", root, world);
   if (rank != root) {
     TORCH_CHECK_VALUE(lists.empty() || (lists.size() == 1 && lists[0].empty()), "pycomm ", op,
-                      " (root ", root, "): rank ", rank, " is not the root and must pass no ",
-                      what, " tensors");
+                      " (root ", root, "): rank ", rank, " is not the root and must pass no ", what,
+                      " tensors");
     return {};
   }
-  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == world, "pycomm ",
-                    op, " (root ", root, "): the root expects one list of ", world, " ", what,
+  TORCH_CHECK_VALUE(lists.size() == 1 && static_cast<int>(lists[0].size()) == world, "pycomm ", op,
+                    " (root ", root, "): the root expects one list of ", world, " ", what,
                     " tensors (one per rank), got ", lists.size(), " lists of ",
                     lists.empty() ? 0 : lists[0].size());
   for (size_t i = 0; i < lists[0].size(); ++i) {
@@ -65,12 +65,15 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::gather(std::vector<std::vector<at::Te
   const at::Tensor& in = single("gather", inputs);
   int root = static_cast<int>(opts.rootRank);
   auto outs = root_list("gather", "output", rank_, root, size_, outputs, in);
-  return enqueue("gather", c10d::OpType::GATHER, outs, [this, in, outs, root](const OpContext& c) {
-    Dense d(in);
-    DenseList dense(outs);
-    channel_->gather(d.data(), d.bytes(), dense.ptrs, root, c);
-    dense.write_back();
-  }, opts);
+  return enqueue(
+      "gather", c10d::OpType::GATHER, outs,
+      [this, in, outs, root](const OpContext& c) {
+        Dense d(in);
+        DenseList dense(outs);
+        channel_->gather(d.data(), d.bytes(), dense.ptrs, root, c);
+        dense.write_back();
+      },
+      opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::scatter(std::vector<at::Tensor>& outputs,
@@ -96,16 +99,15 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall(std::vector<at::Tensor>& out
   TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_ &&
                         static_cast<int>(inputs.size()) == size_,
                     "pycomm all_to_all: expects ", size_, " output and ", size_,
-                    " input tensors (one per rank), got ", outputs.size(), " and ",
-                    inputs.size());
+                    " input tensors (one per rank), got ", outputs.size(), " and ", inputs.size());
   const auto dtype = inputs[0].scalar_type();
   for (const auto* list : {&inputs, &outputs}) {
     for (size_t i = 0; i < list->size(); ++i) {
       const at::Tensor& t = (*list)[i];
       check_dense("all_to_all", t);
-      TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pycomm all_to_all: ",
-                        list == &inputs ? "input" : "output", " tensor ", i, " is ",
-                        t.scalar_type(), ", input tensor 0 is ", dtype,
+      TORCH_CHECK_VALUE(t.scalar_type() == dtype,
+                        "pycomm all_to_all: ", list == &inputs ? "input" : "output", " tensor ", i,
+                        " is ", t.scalar_type(), ", input tensor 0 is ", dtype,
                         ": all tensors must share one dtype");
     }
   }
@@ -116,19 +118,21 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall(std::vector<at::Tensor>& out
   // Channel::alltoall works on one buffer per side (all_to_all_single's layout): the inputs
   // are packed into one and the outputs unpacked from another. That costs one copy each
   // way, which a non-contiguous tensor would need anyway.
-  return enqueue("all_to_all", c10d::OpType::ALLTOALL, outs,
-                 [this, ins, outs, send, recv, in_numel, out_numel, dtype](const OpContext& c) {
-                   at::Tensor in = at::empty({in_numel}, at::TensorOptions().dtype(dtype));
-                   at::Tensor out = at::empty({out_numel}, at::TensorOptions().dtype(dtype));
-                   for (int64_t p = 0, off = 0; p < size_; off += ins[p].numel(), ++p) {
-                     in.narrow(0, off, ins[p].numel()).view(ins[p].sizes()).copy_(ins[p]);
-                   }
-                   channel_->alltoall(static_cast<const char*>(in.data_ptr()), send,
-                                      static_cast<char*>(out.data_ptr()), recv, c);
-                   for (int64_t p = 0, off = 0; p < size_; off += outs[p].numel(), ++p) {
-                     outs[p].copy_(out.narrow(0, off, outs[p].numel()).view(outs[p].sizes()));
-                   }
-                 }, opts);
+  return enqueue(
+      "all_to_all", c10d::OpType::ALLTOALL, outs,
+      [this, ins, outs, send, recv, in_numel, out_numel, dtype](const OpContext& c) {
+        at::Tensor in = at::empty({in_numel}, at::TensorOptions().dtype(dtype));
+        at::Tensor out = at::empty({out_numel}, at::TensorOptions().dtype(dtype));
+        for (int64_t p = 0, off = 0; p < size_; off += ins[p].numel(), ++p) {
+          in.narrow(0, off, ins[p].numel()).view(ins[p].sizes()).copy_(ins[p]);
+        }
+        channel_->alltoall(static_cast<const char*>(in.data_ptr()), send,
+                           static_cast<char*>(out.data_ptr()), recv, c);
+        for (int64_t p = 0, off = 0; p < size_; off += outs[p].numel(), ++p) {
+          outs[p].copy_(out.narrow(0, off, outs[p].numel()).view(outs[p].sizes()));
+        }
+      },
+      opts);
 }
 
 }  // namespace pycomm::shm

@@ -19,13 +19,14 @@ void bind_shm(pybind11::module& m) {
       m, "ShmBackend", "c10d backend over a shared-memory segment (see pycomm/shm.py)")
       .def(py::init([](const std::string& name, int rank, int size, int64_t timeout_ms,
                        bool create) {
-             return c10::make_intrusive<shm::ShmBackend>(
-                 name, rank, size, std::chrono::milliseconds(timeout_ms), create);
+             return c10::make_intrusive<shm::ShmBackend>(name, rank, size,
+                                                         std::chrono::milliseconds(timeout_ms),
+                                                         create);
            }),
            py::arg("name"), py::arg("rank"), py::arg("size"), py::arg("timeout_ms"),
            py::arg("create"), py::call_guard<py::gil_scoped_release>())
-      .def("allreduce_inline", &shm::ShmBackend::allreduce_inline, py::arg("tensor"),
-           py::arg("op"), py::call_guard<py::gil_scoped_release>(),
+      .def("allreduce_inline", &shm::ShmBackend::allreduce_inline, py::arg("tensor"), py::arg("op"),
+           py::call_guard<py::gil_scoped_release>(),
            "A blocking all_reduce in place with no Work (see pycomm.shm.all_reduce).")
       .def(
           "symmetric_buffers",
@@ -51,12 +52,11 @@ void bind_shm(pybind11::module& m) {
                        c10::intrusive_ptr<shm::ShmBackend> local,
                        c10::intrusive_ptr<c10d::Backend> cross,
                        c10::intrusive_ptr<c10d::Backend> flat) {
-             return c10::make_intrusive<shm::HierBackend>(rank, size, host, hosts,
-                                                          std::move(local), std::move(cross),
-                                                          std::move(flat));
+             return c10::make_intrusive<shm::HierBackend>(rank, size, host, hosts, std::move(local),
+                                                          std::move(cross), std::move(flat));
            }),
-           py::arg("rank"), py::arg("size"), py::arg("host"), py::arg("hosts"),
-           py::arg("local"), py::arg("cross"), py::arg("flat"))
+           py::arg("rank"), py::arg("size"), py::arg("host"), py::arg("hosts"), py::arg("local"),
+           py::arg("cross"), py::arg("flat"))
       .def_property_readonly("host", &shm::HierBackend::host, "this rank's host (0-based)")
       .def_property_readonly("hosts", &shm::HierBackend::hosts, "the number of hosts")
       .def_property_readonly("local", &shm::HierBackend::local,

@@ -54,8 +54,8 @@ class Channel {
   // with the first failing rank's reason in `why`, on every rank when any rank failed.
   std::shared_ptr<Arena> map_arena(const std::string& segment, uint64_t id, size_t bytes,
                                    std::string& why, const OpContext& ctx);
-  void reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
-              int root, const OpContext& ctx);
+  void reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op, int root,
+              const OpContext& ctx);
   // outs[r] receives rank r's `bytes` bytes of `in`.
   void allgather(const char* in, size_t bytes, const std::vector<char*>& outs,
                  const OpContext& ctx);
@@ -84,12 +84,12 @@ class Channel {
   void phase(const OpContext& ctx);
   // Wait until every other rank's step has reached `target`.
   void wait_peers(uint32_t target, const OpContext& ctx);
-  void allreduce_whole(char* data, int64_t n, c10::ScalarType dtype,
-                       c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+  void allreduce_whole(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                       const OpContext& ctx);
   void allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
                            c10d::ReduceOp::RedOpType op, const OpContext& ctx);
-  void allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
-                       c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx);
+  void allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                       int root, const OpContext& ctx);
   void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                     int root, const OpContext& ctx);
   size_t alltoall_rounds(const Split& send, size_t per_peer, const OpContext& ctx);

@@ -33,8 +33,8 @@ HierBackend::HierBackend(int rank, int size, int host, int hosts,
   TORCH_CHECK_VALUE(local_->getSize() * hosts_ == size && cross_->getSize() == hosts_ &&
                         flat_->getSize() == size,
                     "pycomm hierarchical group: ", hosts_, " hosts of ", local_->getSize(),
-                    " ranks do not make a group of ", size, " (cross group ",
-                    cross_->getSize(), ", flat group ", flat_->getSize(), ")");
+                    " ranks do not make a group of ", size, " (cross group ", cross_->getSize(),
+                    ", flat group ", flat_->getSize(), ")");
 }
 
 HierBackend::~HierBackend() { lane_->shutdown(); }
@@ -64,9 +64,8 @@ c10::intrusive_ptr<c10d::Work> HierBackend::enqueue(const char* op, c10d::OpType
   lane_->submit(work, [this, op, seq, tensors, reduce] {
     {
       std::lock_guard<std::mutex> lock(failure_mutex_);
-      TORCH_CHECK_WITH(DistBackendError, failure_.empty(), "pycomm ", op, " #", seq,
-                       " on rank ", rank_, ": the group is unusable after an earlier failure: ",
-                       failure_);
+      TORCH_CHECK_WITH(DistBackendError, failure_.empty(), "pycomm ", op, " #", seq, " on rank ",
+                       rank_, ": the group is unusable after an earlier failure: ", failure_);
     }
     try {
       for (const auto& t : tensors) run(op, seq, t, reduce);
@@ -103,10 +102,10 @@ void HierBackend::run(const char* op, uint64_t seq, const at::Tensor& t,
     } catch (const std::exception& e) {
       std::string why = e.what();
       if (auto* c = dynamic_cast<const c10::Error*>(&e)) why = c->what_without_backtrace();
-      TORCH_CHECK_WITH(DistBackendError, false, "pycomm ", op, " #", seq, " (hierarchical, ",
-                       n, " elements, block ", block, " of ", blocks, ") on rank ", rank_,
-                       " (host ", host_, " of ", hosts_, ", local rank ", local_->getRank(),
-                       " of ", L, "): ", what, " failed: ", why);
+      TORCH_CHECK_WITH(DistBackendError, false, "pycomm ", op, " #", seq, " (hierarchical, ", n,
+                       " elements, block ", block, " of ", blocks, ") on rank ", rank_, " (host ",
+                       host_, " of ", hosts_, ", local rank ", local_->getRank(), " of ", L,
+                       "): ", what, " failed: ", why);
     }
   };
 

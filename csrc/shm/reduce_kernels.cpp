@@ -28,8 +28,8 @@ namespace {
 //   first two sources combined in one loop and the result stored to `out` and `copy` in
 //   one loop; bfloat16/float16 blocks convert to and from float32 through the vectorised
 //   conversions of lowp_convert.h. A source that `out` aliases is read into the block
-//   before `out` is written, so aliasing any source is safe. The order of the sources is fixed (0, 1, ..., nsrc - 1), so every rank
-//   reducing the same buffers gets the same bits.
+//   before `out` is written, so aliasing any source is safe. The order of the sources is fixed (0,
+//   1, ..., nsrc - 1), so every rank reducing the same buffers gets the same bits.
 constexpr int64_t kBlock = 512;
 
 template <typename T>
@@ -53,13 +53,11 @@ void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, 
   if (std::is_same_v<Acc, T> && nsrc == 2) {
     if (scaled) {
       copy ? fused_pair<T, Acc, Combine, true, true>(out, copy, src(0), src(1), n, combine, scale)
-           : fused_pair<T, Acc, Combine, true, false>(out, copy, src(0), src(1), n, combine,
-                                                      scale);
+           : fused_pair<T, Acc, Combine, true, false>(out, copy, src(0), src(1), n, combine, scale);
     } else {
-      copy ? fused_pair<T, Acc, Combine, false, true>(out, copy, src(0), src(1), n, combine,
-                                                      scale)
-           : fused_pair<T, Acc, Combine, false, false>(out, copy, src(0), src(1), n, combine,
-                                                       scale);
+      copy
+          ? fused_pair<T, Acc, Combine, false, true>(out, copy, src(0), src(1), n, combine, scale)
+          : fused_pair<T, Acc, Combine, false, false>(out, copy, src(0), src(1), n, combine, scale);
     }
     return;
   }
@@ -113,19 +111,19 @@ void reduce_typed(c10d::ReduceOp::RedOpType reduce, T* out, T* copy, const void*
   switch (reduce) {
     case c10d::ReduceOp::SUM:
     case c10d::ReduceOp::AVG:
-      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a + b; },
-                            static_cast<Acc>(1.0 / world), reduce == c10d::ReduceOp::AVG);
+      return reduce_loop<T>(
+          out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a + b; },
+          static_cast<Acc>(1.0 / world), reduce == c10d::ReduceOp::AVG);
     case c10d::ReduceOp::PRODUCT:
-      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a * b; }, Acc(1),
-                            false);
+      return reduce_loop<T>(
+          out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a * b; }, Acc(1), false);
     case c10d::ReduceOp::MAX:
-      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return b > a ? b : a; },
-                            Acc(1), false);
+      return reduce_loop<T>(
+          out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return b > a ? b : a; }, Acc(1), false);
     case c10d::ReduceOp::MIN:
-      return reduce_loop<T>(out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return b < a ? b : a; },
-                            Acc(1), false);
-    default:
-      TORCH_CHECK(false, "pycomm shm: unsupported reduce op ", static_cast<int>(reduce));
+      return reduce_loop<T>(
+          out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return b < a ? b : a; }, Acc(1), false);
+    default: TORCH_CHECK(false, "pycomm shm: unsupported reduce op ", static_cast<int>(reduce));
   }
 }
 
@@ -154,8 +152,8 @@ void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, voi
                     const void* const* srcs, int nsrc, int64_t n, int world, void* copy) {
   if (n == 0) return;
   AT_DISPATCH_ALL_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "pycomm_shm_reduce", [&] {
-    reduce_typed<scalar_t>(reduce, static_cast<scalar_t*>(out), static_cast<scalar_t*>(copy),
-                           srcs, nsrc, n, world);
+    reduce_typed<scalar_t>(reduce, static_cast<scalar_t*>(out), static_cast<scalar_t*>(copy), srcs,
+                           nsrc, n, world);
   });
 }
 

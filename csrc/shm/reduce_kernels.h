@@ -17,7 +17,6 @@ void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp
 // also stored to `copy` when it is not null (a second destination for free while the
 // result is in registers). `out` may alias one of `srcs`; `copy` may not.
 void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, void* out,
-                    const void* const* srcs, int nsrc, int64_t n, int world,
-                    void* copy = nullptr);
+                    const void* const* srcs, int nsrc, int64_t n, int world, void* copy = nullptr);
 
 }  // namespace pycomm::shm

@@ -93,9 +93,9 @@ std::shared_ptr<Arena> Channel::map_arena(const std::string& segment, uint64_t i
     phase(ctx);
     std::string first;
     for (int p = 0; p < world_; ++p) {
-      const auto* offer =
-          reinterpret_cast<const Offer*>(p == rank_ ? segment_->slot(rank_, slot_index_)
-                                                    : peer_slot(p));
+      const auto* offer = reinterpret_cast<const Offer*>(p == rank_
+                                                             ? segment_->slot(rank_, slot_index_)
+                                                             : peer_slot(p));
       if (offer->bytes != bytes) {
         if (arena->mine() != nullptr) shm_unlink(own.c_str());
         TORCH_CHECK(false, "pycomm shm: symmetric buffers of ", bytes, " bytes asked for on rank ",

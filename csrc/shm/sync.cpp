@@ -64,8 +64,7 @@ uint32_t* futex_word(const Signal& s) {
 
 void futex_wait(const Signal& s, uint32_t expected, std::chrono::nanoseconds timeout) {
   auto secs = std::chrono::duration_cast<std::chrono::seconds>(timeout);
-  timespec ts{static_cast<time_t>(secs.count()),
-              static_cast<long>((timeout - secs).count())};
+  timespec ts{static_cast<time_t>(secs.count()), static_cast<long>((timeout - secs).count())};
   // Shared (not FUTEX_PRIVATE): the word lives in memory mapped by several processes.
   syscall(SYS_futex, futex_word(s), FUTEX_WAIT, expected, &ts, nullptr, 0);
 }
@@ -193,8 +192,9 @@ void Sync::wait(const Signal& signal, uint32_t target, int peer, const OpContext
     }
     auto now = Clock::now();
     if (now >= ctx.deadline) {
-      fail(ctx, peer, "timed out after " + std::to_string(ctx.timeout.count()) +
-                          " ms waiting for rank " + std::to_string(peer));
+      fail(ctx, peer,
+           "timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
+               std::to_string(peer));
     }
     if (now >= next_check) {
       check_alive(peer, ctx);

@@ -57,8 +57,7 @@ class Sync {
   WaitStats stats() const;
 
  private:
-  bool spin_until(const Signal& signal, uint32_t target, int64_t cap,
-                  const Signal* transit) const;
+  bool spin_until(const Signal& signal, uint32_t target, int64_t cap, const Signal* transit) const;
   // After a wait that slept: adapt the spin budget to when the peer really published.
   void learn(const Signal& signal, int64_t since_ns, int64_t cap) const;
   void check_alive(int peer, const OpContext& ctx) const;

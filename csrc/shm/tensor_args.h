@@ -29,12 +29,11 @@ inline void check_rank(const char* op, const char* what, int64_t r, int world) {
                     " is outside the group (size ", world, ")");
 }
 
-inline void check_like(const char* op, const at::Tensor& t, const at::Tensor& like,
-                       int64_t numel) {
+inline void check_like(const char* op, const at::Tensor& t, const at::Tensor& like, int64_t numel) {
   check_dense(op, t);
   TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type() && t.numel() == numel, "pycomm ", op,
-                    ": expected a ", like.scalar_type(), " tensor of ", numel,
-                    " elements, got ", t.scalar_type(), " with ", t.numel());
+                    ": expected a ", like.scalar_type(), " tensor of ", numel, " elements, got ",
+                    t.scalar_type(), " with ", t.numel());
 }
 
 // A contiguous stand-in for a user tensor, copied back by write_back() when it differs.
