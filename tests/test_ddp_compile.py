@@ -221,7 +221,7 @@ def _checkpointed(rank, world_size):
             _train_both(rank, [(eager, eager), ours[:2]], steps=2, what="refused split")
     said = [str(w.message) for w in caught if "higher-order op" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
-    assert ours[0]._split_refused and ours[2].frame_count == 1, ours[2].frame_count
+    assert ours[0]._graph_split.refused and ours[2].frame_count == 1, ours[2].frame_count
 
 
 def test_checkpointed_module_keeps_the_split_or_falls_back_with_a_warning():

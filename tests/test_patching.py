@@ -39,7 +39,7 @@ def test_patch_swaps_names_and_undo_restores_them():
                             [pycomm.patching.clip_grad_norm_] * 2)
         # pycomm's class is not redefined through the patched name, and its isinstance
         # answers hold against both torch's class and the patched name.
-        assert pycomm.DistributedDataParallel.__mro__[1] is pycomm.ddp_compat.TorchDDPAttributes
+        assert pycomm.DistributedDataParallel.__mro__[1] is pycomm.ddp.compat.TorchDDPAttributes
         assert issubclass(pycomm.DistributedDataParallel, torch.nn.parallel.DistributedDataParallel)
         assert issubclass(pycomm.DistributedDataParallel, TORCH_DDP)
         # torch._dynamo asks the class it bound for the active DDP module on every compile.

@@ -1,7 +1,7 @@
 """What torch.compile needs from pycomm's DistributedDataParallel: the call of the wrapped
 module that dynamo compiles, the graph split at pycomm's buckets around it, and the
 fallback when a torch refuses to split. pycomm's own per-forward work (the C++ reducer,
-buffer broadcasts, join) never enters a graph: ddp.py keeps it out with
+buffer broadcasts, join) never enters a graph: module.py keeps it out with
 torch._disable_dynamo. Compiled autograd is refused by the reducer's hooks (See Note
 [Compiled autograd] in csrc/reducer/reducer.cpp).
 
@@ -53,14 +53,13 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
+from torch import nn
 
-from .ddp_compat import TORCH_DDP
-
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+from ..config import DDPConfig
+from .compat import TORCH_DDP
 
 DYNAMO_FIRST_PIECE_BYTES = getattr(torch.distributed, "_DEFAULT_FIRST_BUCKET_BYTES", 1 << 20)
 """dynamo's first-piece cap (torch's first bucket): its later caps may not be smaller."""
@@ -69,9 +68,9 @@ _PYTHON_REDUCER_MODES = ("python_reducer", "python_reducer_without_compiled_forw
 _REFUSED_SPLIT = "Found a higher order op"  # torch < 2.6's DDPOptimizer error
 
 
-def split_bytes(ddp: DistributedDataParallel) -> int:
-    """The cap dynamo cuts the graph at for `ddp`: See Note [Graph split at pycomm's buckets]."""
-    return max(ddp.config.bucket_byte_limits()[-1], DYNAMO_FIRST_PIECE_BYTES)
+def split_bytes(config: DDPConfig) -> int:
+    """The cap dynamo cuts the graph at: See Note [Graph split at pycomm's buckets]."""
+    return max(config.bucket_byte_limits()[-1], DYNAMO_FIRST_PIECE_BYTES)
 
 
 class SplitHint:
@@ -79,9 +78,9 @@ class SplitHint:
     asks, except for `bucket_bytes_cap`, which is the cap dynamo splits the graph at
     (split_bytes) rather than the DDP module's own largest bucket cap."""
 
-    def __init__(self, ddp: DistributedDataParallel):
+    def __init__(self, ddp: nn.Module):
         self._ddp = ddp
-        self.bucket_bytes_cap = split_bytes(ddp)
+        self.bucket_bytes_cap = split_bytes(ddp.config)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ddp, name)
@@ -142,35 +141,42 @@ def _call_as_active(hint: SplitHint | None, module: torch.nn.Module, inputs: tup
 
 
 @skipped_frame
-def call_module(ddp: DistributedDataParallel, inputs: tuple, kwargs: dict) -> Any:
+def call_module(ddp: nn.Module, split: GraphSplit, inputs: tuple, kwargs: dict) -> Any:
     """ddp.module(*inputs, **kwargs), split for dynamo at pycomm's buckets when compiled.
     See Note [Graph split at pycomm's buckets] and Note [Refused split]."""
-    hint, module = _split_of(ddp)
+    hint, module = split.of(ddp)
     try:
         return _call_as_active(hint, module, inputs, kwargs)
     except Exception as error:
-        if hint is None or not _refuse_split(ddp, error):
+        if hint is None or not split.refuse(error):
             raise
     return _call_as_active(None, module, inputs, kwargs)
 
 
-@torch._disable_dynamo
-def _split_of(ddp: DistributedDataParallel) -> tuple[SplitHint | None, torch.nn.Module]:
-    return (None if ddp._split_refused else SplitHint(ddp)), ddp.module
+class GraphSplit:
+    """Whether dynamo still splits one DDP module's graph at its buckets: until this torch
+    refuses to (See Note [Refused split]), then never again for that module."""
 
+    def __init__(self, refused: bool = False):
+        self.refused = refused
 
-@torch._disable_dynamo
-def _refuse_split(ddp: DistributedDataParallel, error: BaseException) -> bool:
-    """Whether `error` is dynamo refusing the split (then never asked for again)."""
-    if not _is_refused_split(error):
-        return False
-    ddp._split_refused = True
-    warnings.warn("pycomm DDP: this torch's dynamo cannot split a graph holding a "
-                  "higher-order op (torch.utils.checkpoint, torch.cond, ...) at pycomm's "
-                  "buckets; the module is compiled without the split from now on: its "
-                  "buckets launch when its compiled backward ends, with less overlap. "
-                  "See Note [Refused split] in pycomm/ddp_compile.py.", stacklevel=2)
-    return True
+    @torch._disable_dynamo
+    def of(self, ddp: nn.Module) -> tuple[SplitHint | None, nn.Module]:
+        """The hint to name as torch's active DDP module (None: no split), and the module."""
+        return (None if self.refused else SplitHint(ddp)), ddp.module
+
+    @torch._disable_dynamo
+    def refuse(self, error: BaseException) -> bool:
+        """Whether `error` is dynamo refusing the split (then never asked for again)."""
+        if not _is_refused_split(error):
+            return False
+        self.refused = True
+        warnings.warn("pycomm DDP: this torch's dynamo cannot split a graph holding a "
+                      "higher-order op (torch.utils.checkpoint, torch.cond, ...) at pycomm's "
+                      "buckets; the module is compiled without the split from now on: its "
+                      "buckets launch when its compiled backward ends, with less overlap. "
+                      "See Note [Refused split] in pycomm/ddp/compile.py.", stacklevel=2)
+        return True
 
 
 def _is_refused_split(error: BaseException) -> bool:

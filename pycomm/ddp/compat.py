@@ -1,7 +1,7 @@
 """What code written for torch's DistributedDataParallel reads off pycomm's: the
 isinstance answer, the attributes Lightning, Accelerate and the HF Trainer touch, and the
 methods of torch's c10d Reducer they call on `ddp.reducer`. The module itself, its
-forward and its options stay in ddp.py; swapping torch's names is patching.py's.
+forward and its options stay in module.py; swapping torch's names is pycomm/patching.py's.
 
 Note [Virtual subclass of torch's DDP]
 pycomm's DistributedDataParallel is registered as a virtual subclass of torch's
@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
-from . import _C
+from .. import _C
 
 TORCH_DDP = _TorchDDP
 """torch's own DistributedDataParallel class, whatever pycomm.patch() later binds to
@@ -46,16 +46,21 @@ class TorchReducer(_C.Reducer):
     abandoned) where torch returns None.
     """
 
-    def __init__(self, ddp: Any, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._ddp = weakref.ref(ddp)
+        self._rebuild: weakref.WeakMethod | None = None
+
+    def set_rebuild(self, rebuild: Callable[[], bool]) -> None:
+        """The forward's bucket rebuild (forward.py's ForwardSync.rebuild_buckets_if_due),
+        which _rebuild_buckets runs; held weakly, as its owner holds this reducer."""
+        self._rebuild = weakref.WeakMethod(rebuild)
 
     def _rebuild_buckets(self) -> bool:
         """torch's: re-cut the buckets in the observed gradient order when due (once,
         after the first synchronized step); pycomm's forward does the same, so a call
         after it finds nothing due. Every rank must call it (it broadcasts rank 0's order)."""
-        ddp = self._ddp()
-        return ddp is not None and ddp._rebuild_buckets_if_due()
+        rebuild = None if self._rebuild is None else self._rebuild()
+        return rebuild is not None and rebuild()
 
     def _delay_all_reduce(self) -> None:
         """torch's first static-graph step defers every all-reduce to this call after
@@ -70,14 +75,14 @@ def _bucket_bytes(ddp: Any) -> list[int]:
 
 
 class TorchDDPAttributes:
-    """torch's DDP attributes on pycomm's class (mixed into ddp.DistributedDataParallel,
+    """torch's DDP attributes on pycomm's class (mixed into module.DistributedDataParallel,
     which it also registers as a virtual subclass of torch's: See Note [Virtual subclass
     of torch's DDP]). Reads come from the config and the reducer, never from a second copy."""
 
     _active_ddp_module = None
     """torch's class attribute of the same name (replicate() sets it for torch.compile).
     pycomm's forward sets torch's own (See Note [Graph split at pycomm's buckets] in
-    ddp_compile.py), which _get_active_ddp_module answers with."""
+    compile.py), which _get_active_ddp_module answers with."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -137,7 +142,7 @@ class TorchDDPAttributes:
             "device_ids": ",".join(map(str, self.device_ids or ())),
             "output_device": -1 if self.output_device is None else int(self.output_device),
             "backend_name": dist.get_backend(self.process_group),
-            "gradient_backend_name": dist.get_backend(self._gradient_pg),
+            "gradient_backend_name": dist.get_backend(self.gradient_group),
             "bucket_cap_bytes": self.bucket_bytes_cap,
             "bucket_sizes": ", ".join(map(str, _bucket_bytes(self))),
             "find_unused_parameters": int(self.config.find_unused_parameters),
@@ -169,7 +174,7 @@ class TorchDDPAttributes:
                           "you do not need to set find_unused_parameters=true, just be sure "
                           "these unused parameters will not change during training loop while "
                           "calling `_set_static_graph`.", stacklevel=2)
-        hook = self._comm_hook
+        hook = self._sync.comm_hook
         self.__dict__.pop("_bucket_norms", None)  # holds the old reducer (and its hooks)
         self.config = self.config.replace(static_graph=True)
         self._build_reducer()

@@ -1,7 +1,7 @@
-"""Constructor-argument wiring of pycomm's DistributedDataParallel (pycomm/ddp.py): which
+"""Constructor-argument wiring of pycomm's DistributedDataParallel (module.py): which
 torch arguments are refused, how torch's keyword arguments and a DDPConfig combine, which
 process group gradients run on, and the output traversal that finds the tensors backward
-starts from. Pure functions of their arguments; the module itself stays in ddp.py."""
+starts from. Pure functions of their arguments; the module itself stays in module.py."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .config import DDPConfig
-from .shm import hierarchical_group, same_host_group
+from ..config import DDPConfig
+from ..shm import hierarchical_group, same_host_group
 
 _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
     "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "

@@ -13,21 +13,22 @@ no_sync() (or without grad) does not reduce them (torch reduces, and divides, ev
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import BROADCAST_BUCKET_BYTES
-
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+from ..config import BROADCAST_BUCKET_BYTES
 
 
 class DelayedAllReduce:
-    def __init__(self, ddp: DistributedDataParallel, named: list[tuple[str, nn.Parameter]],
-                 hook_param: nn.Parameter):
+    """The delayed parameters' flat buffer and the hook that all-reduces it on `group`.
+    The hook lives as long as `owner` (the DDP module): once that is collected, the
+    parameter's gradient hook is removed."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], hook_param: nn.Parameter,
+                 group: dist.ProcessGroup, owner: object):
         if not isinstance(hook_param, torch.Tensor) or not hook_param.requires_grad:
             raise ValueError("param_to_hook_all_reduce must be a parameter that requires grad")
         self.names = [n for n, _ in named]
@@ -46,12 +47,14 @@ class DelayedAllReduce:
             offset += p.numel()
         self.armed = False
         self._work: Optional[dist.Work] = None
-        self._ddp = weakref.ref(ddp)
+        self._group = group
         self._handle = hook_param.register_hook(self._on_hook_grad)
+        self._owner_gone = weakref.finalize(owner, self._handle.remove)
+        self._owner_gone.atexit = False
 
-    def broadcast(self, group: dist.ProcessGroup) -> None:
+    def broadcast(self) -> None:
         """Rank 0's values, as torch broadcasts them at construction."""
-        dist._broadcast_coalesced(group, [p.detach() for p in self.params],
+        dist._broadcast_coalesced(self._group, [p.detach() for p in self.params],
                                   BROADCAST_BUCKET_BYTES, 0)
 
     def after_forward(self, grad_sync: bool) -> None:
@@ -67,13 +70,11 @@ class DelayedAllReduce:
         self.armed = grad_sync
 
     def _on_hook_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        ddp = self._ddp()
-        if ddp is None or not self.armed:
+        if not self.armed:
             return grad
         self.armed = False
-        group = ddp.process_group
-        self.buffer.div_(dist.get_world_size(group))
-        self._work = dist.all_reduce(self.buffer, group=group, async_op=True)
+        self.buffer.div_(dist.get_world_size(self._group))
+        self._work = dist.all_reduce(self.buffer, group=self._group, async_op=True)
         torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         return grad
 
@@ -83,4 +84,5 @@ class DelayedAllReduce:
             work.wait()
 
     def remove(self) -> None:
+        self._owner_gone.detach()
         self._handle.remove()
