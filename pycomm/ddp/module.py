@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .. import overlap
-from ..clip import attach_local_clip
+from ..clip import attach_local_clip, clip_ddp_grad_norm_
 from ..config import DDPConfig
 from . import construction, pickling
 from .args import check_args, config_from_args, find_tensors, gradient_group, resolve_group
@@ -177,7 +177,6 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the synchronized gradients, as torch.nn.utils.clip_grad_norm_ on them would;
         each bucket's norm is computed as its collective completes. See pycomm/clip.py."""
-        from ..clip import clip_ddp_grad_norm_
         return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def local_grad_norm(self) -> Optional[torch.Tensor]:

@@ -26,6 +26,7 @@ def pickled_state(attrs: dict) -> dict:
 
 
 def unpickled_state(state: dict) -> tuple[dict, GraphSplit]:
-    """The pickled state to restore (absent keys defaulted) and the graph-split state."""
+    """The pickled state to restore, and the graph-split state (not refused where a pickle
+    predates the flag)."""
     state = dict(state)
     return state, GraphSplit(state.pop("_split_refused", False))
