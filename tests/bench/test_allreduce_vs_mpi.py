@@ -14,7 +14,9 @@ import sys
 
 import pytest
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "allreduce_vs_mpi.py")
+from tests.support.paths import REPO
+
+_SCRIPT = str(REPO / "benchmarks" / "allreduce_vs_mpi.py")
 _SIZES = (4, 4096, 1 << 20)  # the one-phase all-reduce at both ends, the pipelined one
 
 

@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from multirank import run_ranks
 from pycomm.bench import bucket_sweep
 from pycomm.bench.bucket_sweep import SweepConfig
 from pycomm.overlap import AlphaBeta
 from pycomm.overlap.advice import TORCH_CAP_MB, format_sweep
+from tests.support.multirank import run_ranks
 
 
 def _model():

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from multirank import run_ranks
 from pycomm.bench.collective_ops import COLLECTIVES
 from pycomm.bench.collectives_run import CORRUPT_ENV, DTYPES, OPS, Config, run, skipped
+from tests.support.multirank import run_ranks
 
 # Sizes chosen so that counts are odd, not multiples of the pattern periods (5, 251) and
 # not divisible by the world size: 4 B is one float32 (and zero elements of all-gather's

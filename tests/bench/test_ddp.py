@@ -1,5 +1,5 @@
 """`pycomm-bench ddp --compile`: which implementations it times and what it compares (the
-timing loop itself runs in tests/test_overlap_sweep.py's sweep and in recorded runs)."""
+timing loop itself runs in tests/bench/test_bucket_sweep.py's sweep and in recorded runs)."""
 
 import ctypes.util
 import subprocess
@@ -86,6 +86,6 @@ def _clipped_steps(rank, world_size):
 
 def test_clip_runs_each_implementations_clipping_in_both_modes():
     # --clip: without it these gradients' norm is about 0.6; with it every step's is clipped.
-    from multirank import run_ranks
+    from tests.support.multirank import run_ranks
 
     run_ranks(_clipped_steps, 2)

@@ -10,13 +10,13 @@ import io
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, build, loss_of, make_input
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
 from pycomm.objects import all_gather_object
+from tests.support.ddp_models import assert_same, build, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 TIMELINE_KEYS = {"step", "rank", "backward_start_ns", "param_ready_ns", "param_names",
                  "buckets", "finalize_start_ns", "finalize_end_ns"}

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 
 import pycomm
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 _CAP_MB = 1.0  # >= dynamo's 1 MiB first piece, so torch's DDP compiles with it too
 _WIDTH = 512   # a Linear(512, 512) holds 1 MiB of gradient: one bucket, one piece

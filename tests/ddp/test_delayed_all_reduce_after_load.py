@@ -13,11 +13,11 @@ import io
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, build, loss_of, make_input
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import assert_same, build, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 
 def _delayed_kwargs(module):

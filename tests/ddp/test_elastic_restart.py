@@ -1,7 +1,7 @@
 """Elastic restarts under torchrun: a rank killed mid-run, torchrun starts a new generation,
 pycomm's DDP is built again on the new process group, nothing of the killed generation
 stays in /dev/shm, and training resumes from the checkpoint to the very parameters of an
-uninterrupted run with torch's DDP (tests/elastic_worker.py)."""
+uninterrupted run with torch's DDP (tests/support/elastic_worker.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(ROOT, "tests", "elastic_worker.py")
+from tests.support.paths import REPO
+
+ROOT = str(REPO)
+WORKER = os.path.join(ROOT, "tests", "support", "elastic_worker.py")
 STEPS = 8
 
 

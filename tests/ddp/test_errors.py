@@ -9,11 +9,11 @@ import os
 
 import pytest
 import torch.distributed as dist
-from ddp_models import build, loss_of, make_input
 from torch import nn
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import build, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 DDP = pycomm.DistributedDataParallel
 

@@ -7,10 +7,10 @@ import copy
 
 import torch
 import torch.nn as nn
-from ddp_models import tanh_mlp, train_sgd
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import tanh_mlp, train_sgd
+from tests.support.multirank import run_ranks
 
 
 def _inline_matches_torch(rank, world):

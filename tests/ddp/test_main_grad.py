@@ -11,11 +11,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-from ddp_models import build, loss_of, make_input
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import build, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 MICRO = 8  # micro-steps per optimizer step: 7 under no_sync, then the synchronized one
 

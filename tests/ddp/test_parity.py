@@ -9,9 +9,9 @@ import functools
 
 import torch
 import torch.distributed as dist
-from ddp_models import lockstep
 
-from multirank import run_ranks
+from tests.support.ddp_models import lockstep
+from tests.support.multirank import run_ranks
 
 # bucket caps: one parameter per bucket, torch's default (1 MiB first, 25 MiB), one bucket
 TINY, DEFAULT, ONE = 1e-6, None, 1000.0
@@ -102,9 +102,8 @@ def _single_process_oracle(rank, world_size):
     # DDP's averaged gradient is the gradient of the mean loss over the concatenated batch.
     import copy
 
-    from ddp_models import build, make_input
-
     import pycomm
+    from tests.support.ddp_models import build, make_input
     base = build("mlp")
     ddp = pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=TINY)
     ddp(make_input("mlp", rank, 0)).square().mean().backward()

@@ -1,5 +1,5 @@
 """Review cases for pycomm's DDP against torch's DDP (the oracle) on the same seeds and
-data: what tests/test_ddp_parity.py does not reach. Cases share spawned runs to stay fast."""
+data: what tests/ddp/test_parity.py does not reach. Cases share spawned runs to stay fast."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import copy
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, loss_of, manual_average
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import assert_same, loss_of, manual_average
+from tests.support.multirank import run_ranks
 
 
 class Mixed(nn.Module):

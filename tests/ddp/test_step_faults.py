@@ -14,12 +14,12 @@ import warnings
 
 import pytest
 import torch
-from ddp_models import assert_same, build, loss_of, make_input, manual_average
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import assert_same, build, loss_of, make_input, manual_average
+from tests.support.multirank import run_ranks
 
 DDP = pycomm.DistributedDataParallel
 

@@ -52,9 +52,9 @@ def _with_and_without(rank, world_size):
     import copy
 
     import torch.distributed as dist
-    from ddp_models import build, loss_of, make_input
 
     import pycomm
+    from tests.support.ddp_models import build, loss_of, make_input
 
     base = build("wide")
     grads = {}
@@ -72,6 +72,6 @@ def _with_and_without(rank, world_size):
 
 
 def test_ddp_config_streaming_copies_off_gives_the_same_bits():
-    from multirank import run_ranks
+    from tests.support.multirank import run_ranks
 
     run_ranks(_with_and_without, 2)

@@ -1,7 +1,7 @@
 """torch 2.13 DDP constructor arguments that pycomm implements, each against torch's DDP
 given the same argument: skip_all_reduce_unused_params, batched_grad_copy,
 delay_all_reduce_named_params + param_to_hook_all_reduce, and a device_mesh that is the
-data-parallel slice of a 2-D mesh. mixed_precision stays refused (test_ddp_errors.py)."""
+data-parallel slice of a 2-D mesh. mixed_precision stays refused (tests/ddp/test_errors.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import Branchy, assert_same, build, lockstep, loss_of, make_input
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import Branchy, assert_same, build, lockstep, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 DDP = pycomm.DistributedDataParallel
 

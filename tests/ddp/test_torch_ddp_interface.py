@@ -10,12 +10,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import MLP, ConvBN
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import MLP, ConvBN
+from tests.support.multirank import run_ranks
 
 # Attributes read as plain values, with the construction arguments that change them.
 _SAME_VALUE = ("static_graph", "find_unused_parameters", "gradient_as_bucket_view",

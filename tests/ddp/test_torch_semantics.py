@@ -15,11 +15,11 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import build, lockstep, loss_of, make_input
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import build, lockstep, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 
 def _make_buffers_rank_local(module: torch.nn.Module, rank: int) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import copy
 
 import torch
-from ddp_models import assert_same, build, loss_of, make_input
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import assert_same, build, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 # max_norm far below the MLP's gradient norm: clipping is active every step.
 MAX_NORM = 1e-4

@@ -14,11 +14,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, build, loss_of, make_input
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from multirank import run_ranks
+from tests.support.ddp_models import assert_same, build, loss_of, make_input
+from tests.support.multirank import run_ranks
 
 # Below the MLP's local gradient norms (~0.05-0.5): clipping is active on every rank.
 MAX_NORM = 1e-2

@@ -262,11 +262,12 @@ def test_portable_cpu_kernels_match_torch_too():
     import subprocess
     import sys
 
-    tests = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")])
+    from tests.support.paths import REPO
+
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(
-        tests, "test_ops.py"), "-k", "cpu and (norm_partial_matches or scale_matches or "
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.abspath(
+        __file__), "-k", "cpu and (norm_partial_matches or scale_matches or "
         "accumulate_matches or touches_nothing or flags_nonfinite or follow_aten) and not portable"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 
-from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
+from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
+from tests.support.paths import REPO
 
 pytestmark = needs_hosts
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def test_ddp_bench_across_two_hosts(tmp_path):

@@ -12,16 +12,17 @@ import sys
 
 import torch
 import torch.distributed as dist
-from ddp_models import assert_same, build, loss_of, make_input, train_against
-from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
 import pycomm.shm
 from pycomm.hosts import Hosts
+from tests.support.ddp_models import assert_same, build, loss_of, make_input, train_against
+from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
+from tests.support.paths import REPO
 
 pytestmark = needs_hosts
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def _groups(rank, world_size):
@@ -49,7 +50,7 @@ def _ddp_against_torch(rank, world_size, steps=3):
     base = build("mlp")
     ref = TorchDDP(copy.deepcopy(base))
     # The flat path (hierarchical_allreduce=False): with several ranks per host the
-    # default is the hierarchical all-reduce, tested in tests/test_hosts_hier.py.
+    # default is the hierarchical all-reduce, tested in tests/hosts/test_hierarchical.py.
     ours = pycomm.DistributedDataParallel(
         copy.deepcopy(base), config=pycomm.DDPConfig(hierarchical_allreduce=False))
     # Both all-reduce one bucket of the same size with Gloo's same algorithm on the same

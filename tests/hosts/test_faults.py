@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 
 import pytest
-from ddp_models import build, loss_of, make_input
-from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 
 import pycomm
 from pycomm.hosts import Hosts
+from tests.support.ddp_models import build, loss_of, make_input
+from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 
 pytestmark = needs_hosts
 _GROUP_TIMEOUT_S = 8.0

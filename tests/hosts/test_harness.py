@@ -14,13 +14,14 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 
 import pycomm.shm
 from pycomm import hosts as hosts_mod
 from pycomm.hosts import Hosts, RanksFailed
+from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
+from tests.support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 
 
 def _who(rank, world_size):

@@ -15,13 +15,13 @@ import copy
 
 import torch
 import torch.distributed as dist
-from ddp_models import build, train_against
-from hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
 import pycomm.shm
 from pycomm.hosts import Hosts
+from tests.support.ddp_models import build, train_against
+from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 
 pytestmark = needs_hosts
 

@@ -11,11 +11,11 @@ import os
 
 import pytest
 import torch
-from ddp_models import MLP
 from torch import nn
 
 import pycomm
-from multirank import free_port, run_ranks, set_launcher_env
+from tests.support.ddp_models import MLP
+from tests.support.multirank import free_port, run_ranks, set_launcher_env
 
 _CLIP = 0.05
 _STEPS, _ACCUMULATE, _BATCH = 3, 2, 4

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pycomm
-from multirank import free_port, run_ranks, set_launcher_env
+from tests.support.multirank import free_port, run_ranks, set_launcher_env
 
 _LIGHTNING = "the integrations extra (lightning) is absent"
 _CLIP = 0.05

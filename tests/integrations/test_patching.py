@@ -15,8 +15,8 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 
 import pycomm
-from multirank import run_ranks
 from pycomm.patching import TORCH_CLIP_GRAD_NORM_, TORCH_DDP
+from tests.support.multirank import run_ranks
 
 # Lightning, once another test imported it, makes every patch() here warn; the one test
 # of that warning catches it all the same.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pycomm
-from multirank import free_port, run_ranks, set_launcher_env
+from tests.support.multirank import free_port, run_ranks, set_launcher_env
 
 _STEPS, _ACCUMULATE, _BATCH, _SEQ, _VOCAB = 3, 2, 2, 12, 64
 

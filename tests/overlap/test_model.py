@@ -4,7 +4,6 @@ import json
 import random
 
 import pytest
-from overlap_timelines import MS, random_timeline, two_bucket_timeline
 
 from pycomm.overlap import (
     AlphaBeta,
@@ -20,6 +19,7 @@ from pycomm.overlap import (
 )
 from pycomm.overlap.model import allreduce_bus_factor, latency_steps
 from pycomm.overlap.whatif import format_what_if, what_if
+from tests.support.overlap_timelines import MS, random_timeline, two_bucket_timeline
 
 # 1 ms per collective, 1 byte per ns: every hand-computed time below is a whole number of ns.
 HAND = AlphaBeta(alpha_s=1e-3, busbw_Bps=1e9)

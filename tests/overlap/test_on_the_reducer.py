@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 import pycomm
-from multirank import run_ranks
 from pycomm.overlap import StepReport
+from tests.support.multirank import run_ranks
 
 SLEEP_S = 0.25
 # How long the slow layer waits at most for the big bucket's collective: only reached when

@@ -6,9 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from overlap_timelines import MS, random_timeline, two_bucket_timeline
 
-from multirank import run_ranks
 from pycomm.overlap import (
     chrome_trace,
     format_report,
@@ -17,6 +15,8 @@ from pycomm.overlap import (
     write_chrome_trace,
 )
 from pycomm.overlap.report import check_timeline, union_length
+from tests.support.multirank import run_ranks
+from tests.support.overlap_timelines import MS, random_timeline, two_bucket_timeline
 
 
 def _ms(seconds):

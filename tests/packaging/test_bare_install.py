@@ -1,14 +1,15 @@
 """pycomm works on a bare install: torch's CPU wheel and pycomm, no numpy, no matplotlib
 (neither is a dependency of either). Two real ranks, each a fresh interpreter where both
-are unimportable (tests/bare_rank.py), construct pycomm's DDP, train it against torch's
+are unimportable (tests/support/bare_rank.py), construct pycomm's DDP, train it against torch's
 DDP, join with uneven inputs and gather a Chrome trace across ranks."""
 
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-RANK_SCRIPT = Path(__file__).with_name("bare_rank.py")
+from tests.support.paths import REPO
+
+RANK_SCRIPT = REPO / "tests" / "support" / "bare_rank.py"
 
 
 def test_ddp_trains_without_numpy_or_matplotlib(tmp_path):

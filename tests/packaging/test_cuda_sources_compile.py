@@ -12,8 +12,9 @@ import pytest
 import torch.utils.cpp_extension as cpp
 
 import pycomm
+from tests.support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(REPO)
 CU_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*.cu"), recursive=True))
 NVCC = shutil.which("nvcc") or (cpp.CUDA_HOME and os.path.join(cpp.CUDA_HOME, "bin", "nvcc"))
 # The GPU machine is Hopper (sm_90); compile for what we run on.

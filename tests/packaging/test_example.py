@@ -6,7 +6,9 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import REPO
+
+ROOT = str(REPO)
 
 
 def _run(cmd: list[str]) -> str:

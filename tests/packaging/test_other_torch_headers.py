@@ -17,7 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch.utils.cpp_extension as cpp
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.support.paths import REPO
+
+ROOT = str(REPO)
 CSRC = os.path.join(ROOT, "csrc")
 INCLUDE = os.environ.get("PYCOMM_COMPAT_TORCH_INCLUDE", "")
 NVCC = shutil.which("nvcc") or (cpp.CUDA_HOME and os.path.join(cpp.CUDA_HOME, "bin", "nvcc"))

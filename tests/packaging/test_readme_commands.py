@@ -4,11 +4,12 @@ and the test run."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.support.paths import REPO
+
+ROOT = REPO
 
 
 def test_ci_reads_the_two_quick_start_commands():

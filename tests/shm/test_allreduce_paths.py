@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 # Keep in step with csrc/shm: kWholeReduceBytes (allreduce.cpp), kSlotBytes (backend.cpp),
 # kSlotsPerRank (segment.h).

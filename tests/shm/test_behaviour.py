@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import pycomm.shm
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 
 def _non_contiguous(rank, world):

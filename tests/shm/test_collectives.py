@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32,
           torch.int64]

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from ddp_models import tanh_mlp, train_sgd
 
 import pycomm
 import pycomm.shm
-from multirank import run_ranks
+from tests.support.ddp_models import tanh_mlp, train_sgd
+from tests.support.multirank import run_ranks
 
 
 def _shm_gradients(rank, world):

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import pycomm
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 _SUM, _MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 

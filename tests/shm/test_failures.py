@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import pycomm.shm
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 _TIMEOUT_S = 3.0
 
@@ -70,7 +70,7 @@ def test_missing_rank_times_out_naming_it():
 
 def _two_hosts(rank, world):
     # Ranks on two hosts make a hierarchical group, not a shared-memory one (hosts holding
-    # different numbers of ranks are refused: tests/test_shm_hier.py).
+    # different numbers of ranks are refused: tests/shm/test_hierarchical.py).
     if rank == 1:
         pycomm.shm.host_identity = lambda: "elsewhere/boot"
     group = dist.new_group(backend="pycomm")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multirank import run_ranks
+from tests.support.multirank import run_ranks
 
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 SIZES = (0, 1, 7, 300_001)

@@ -1,6 +1,6 @@
 """The hierarchical "pycomm" group (csrc/shm/hier.h) on one machine, its ranks told apart
 as "hosts" by their host identity (what pycomm.shm reads to decide which ranks share
-memory). The same code across real network namespaces: tests/test_hosts_hier.py."""
+memory). The same code across real network namespaces: tests/hosts/test_hierarchical.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.distributed as dist
 
 import pycomm
 import pycomm.shm
-from tests.ddp_models import build
-from tests.multirank import run_ranks
+from tests.support.ddp_models import build
+from tests.support.multirank import run_ranks
 
 
 def _pretend_hosts(rank: int, per_host: list[int]) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import pycomm.shm
-from multirank import RankFailed, run_ranks
+from tests.support.multirank import RankFailed, run_ranks
 
 
 def _blocking_calls_stay_on_the_caller(rank, world):

@@ -1,4 +1,4 @@
-"""One rank of tests/test_bare_install.py, run as a script: what a bare install of pycomm
+"""One rank of tests/packaging/test_bare_install.py, run as a script: what a bare install of pycomm
 (torch's CPU wheel, no numpy, no matplotlib) must do. numpy and matplotlib are made
 unimportable before torch is imported, which is what their absence looks like to torch
 ("Failed to initialize NumPy") and to pycomm; so the check holds in any environment.

@@ -1,4 +1,4 @@
-"""Small models and the torch-DDP-vs-pycomm-DDP lockstep harness shared by tests/test_ddp*.py.
+"""Small models and the torch-DDP-vs-pycomm-DDP lockstep harness shared by tests/ddp/.
 Each model covers a shape of graph the reducer must handle; `lockstep` trains torch's DDP
 and pycomm's side by side on the same data and compares gradients and parameters."""
 
@@ -208,7 +208,8 @@ def lockstep(rank: int, model: str, steps: int = 3, exact: bool = True,
     base = build(model)
     ref = (ManualDDP if manual else TorchDDP)(copy.deepcopy(base), **ddp_kwargs)
     # The reducer against torch's on the same transport (Gloo): the shared-memory backend
-    # adds 3+ terms in rank order, not Gloo's ring order (tests/test_shm_ddp.py covers it).
+    # adds 3+ terms in rank order, not Gloo's ring order (tests/shm/test_ddp_gradients.py
+    # covers it).
     fields = {k: tuple(v) if k == "bucket_cap_mb_list" else v for k, v in ddp_kwargs.items()}
     ours = pycomm.DistributedDataParallel(
         copy.deepcopy(base),

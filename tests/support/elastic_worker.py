@@ -1,7 +1,7 @@
-"""A torchrun worker for tests/test_elastic.py.
+"""A torchrun worker for tests/ddp/test_elastic_restart.py.
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 1 \
-        tests/elastic_worker.py OUT_DIR --impl pycomm --steps 8 --kill-rank 1 --kill-step 4
+        tests/support/elastic_worker.py OUT_DIR --impl pycomm --steps 8 --kill-rank 1 --kill-step 4
 
 Trains a small model with `--impl`'s DDP on a Gloo world (pycomm's DDP then reduces its
 gradients over its same-host shared-memory group, whose segment lives in /dev/shm while

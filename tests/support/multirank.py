@@ -7,7 +7,7 @@ that fails is reported with its traceback; a rank that exits hard fails the run 
 a run that outlives `deadline_s` is killed and reported with the ranks still alive. The
 process group is not destroyed in a `finally`: a healthy rank's "connection closed" would
 then hide the real error of the rank that failed. `set_launcher_env` gives a rank the
-variables torchrun would, for libraries that read them (tests/test_lightning.py, ...).
+variables torchrun would, for libraries that read them (tests/integrations/test_lightning.py, ...).
 """
 
 from __future__ import annotations

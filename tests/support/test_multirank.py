@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import pycomm._C as _C
-from multirank import RankFailed, run_ranks
+from tests.support.multirank import RankFailed, run_ranks
 
 
 def _cpp_allreduce(rank, world_size):
