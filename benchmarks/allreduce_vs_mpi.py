@@ -73,8 +73,8 @@ def build_floor(tmp: str) -> str | None:
 # A process that touched MPI without mpirun becomes an Open MPI singleton, and Open MPI
 # writes its job into the process's C environment (PMIX_*, OMPI_MCA_ess=singleton, ...):
 # invisible to os.environ there, inherited by every child. Lightning's MPI detection does
-# this in any process that has mpi4py (found when tests/test_lightning.py ran before
-# tests/test_mpi_compare.py in one pytest). An mpirun started under those variables
+# this in any process that has mpi4py (found when tests/integrations/test_lightning.py ran before
+# tests/bench/test_allreduce_vs_mpi.py in one pytest). An mpirun started under those variables
 # believes it runs inside that job and exits 1 without a word, so it gets an environment
 # without them; OMPI_MCA_* settings of the user's own stay.
 _JOB_PREFIXES = ("PMIX_", "ORTE_", "OMPI_APP_CTX_", "OMPI_MCA_ess", "OMPI_MCA_orte_",

@@ -43,10 +43,10 @@ STEPS, SKIP = 8, 3  # DDP steps per run; the first SKIP (bucket rebuild, warm-up
 
 def _ddp_rank(rank: int, world_size: int, steps: int) -> list[dict]:
     import pycomm
-    from pycomm.bench.ddp import _model
+    from pycomm.bench.models import build_model
 
     torch.set_num_threads(1)
-    module, x = _model("mlp")
+    module, x = build_model("mlp")
     ddp = pycomm.DistributedDataParallel(module, bucket_cap_mb=25.0)
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
     for _ in range(steps):

@@ -28,7 +28,7 @@ import torch.distributed as dist
 # GIL; a rank that is exiting meanwhile (a trace gathered as a job's last act) has its
 # interpreter finalizing, the worker is told to exit inside a noexcept destructor, and
 # the process aborts after its work was done: "terminate called without an active
-# exception", SIGABRT (1 run in 6-20 of tests/test_hosts_ddp.py's trace test; the core:
+# exception", SIGABRT (1 run in 6-20 of tests/hosts/test_ddp.py's trace test; the core:
 # ProcessGroupGloo::runLoop -> ~AsyncGatherWork -> TensorImpl::decref_pyobject ->
 # gil_scoped_acquire -> pthread_exit). Holding the tensors alone is not enough: releasing
 # a tensor whose Python object is alive takes the GIL too. So the exchanges here run

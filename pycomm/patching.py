@@ -9,7 +9,7 @@ wraps a model or clips, so patch() anywhere before `accelerator.prepare(...)` /
 lightning.pytorch (or lightning.fabric) is imported: patch() must run before that import,
 else Lightning keeps constructing torch's (patch() warns). pycomm.lightning.DDPStrategy
 needs no patching at all. isinstance checks against torch's class hold either way (See
-Note [Virtual subclass of torch's DDP] in ddp_compat.py).
+Note [Virtual subclass of torch's DDP] in ddp/compat.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.utils.clip_grad
 
 from .clip import clip_grad_norm_ as _fused_clip_grad_norm_
 from .ddp import DistributedDataParallel
-from .ddp_compat import TORCH_DDP
+from .ddp.compat import TORCH_DDP
 
 TORCH_CLIP_GRAD_NORM_ = torch.nn.utils.clip_grad.clip_grad_norm_
 """torch's own clip_grad_norm_, whatever pycomm.patch() later binds to its names."""

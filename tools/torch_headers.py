@@ -3,8 +3,8 @@
 The GPU machine runs torch 2.11 while this project develops on 2.13, and c10d's C++ API
 moves between releases. `python tools/torch_headers.py 2.11.0 DEST` downloads that
 release's wheel from the package index (no install) and extracts `torch/include` into
-DEST; tests/test_torch_compat.py then compiles every translation unit against it when
-PYCOMM_COMPAT_TORCH_INCLUDE=DEST/torch/include is set. Prints that include path.
+DEST; tests/packaging/test_other_torch_headers.py then compiles every translation unit
+against it when PYCOMM_COMPAT_TORCH_INCLUDE=DEST/torch/include is set. Prints that include path.
 """
 
 import glob

@@ -48,6 +48,7 @@ from ..overlap.advice import (
     round_medians,
 )
 from . import common
+from .models import build_model
 
 MIB = 1 << 20
 
@@ -207,10 +208,8 @@ def draw(path: str, result: SweepResult, steps: dict) -> str:
 
 def _body(args: tuple) -> tuple[str, SweepResult, dict]:
     cfg, model_name = args
-    from .ddp import _model  # the models of `pycomm-bench ddp --models`
-
     allocator = common.steady_allocator()  # before any model exists
-    module, x = _model(model_name)
+    module, x = build_model(model_name)
     result, steps = run(cfg, lambda: copy.deepcopy(module),
                         lambda ddp: ddp(x).float().square().mean())
     title = common.header(f"ddp --sweep-bucket-cap | model {model_name}", warmup=cfg.warmup,

@@ -132,7 +132,7 @@ def norm_errors(grads: list[torch.Tensor]) -> dict[str, float]:
 def _count_wrong(shapes, dtype, device, rel: float) -> int:
     """Untimed: pycomm's total norm and clipped gradients against an exact fp64 computation
     on the same inputs (torch's own fp32 norm drifts ~3e-4 on the 38M-element embedding, so
-    it is not the reference here; tests/test_clip.py compares against torch)."""
+    it is not the reference here; tests/grad/test_clip.py compares against torch)."""
     grads = _grads(shapes, dtype, device, 1)
     exact = [g.double() for g in grads]
     norm = _exact_norm(grads)

@@ -95,7 +95,7 @@ def launch(body: Callable[[Any], Any], args: Any, nproc: int, backend: str,
 # same way: the spread vanished (96-105 ms of CPU everywhere). Six 16 MiB blocks
 # allocated, written and freed six times fault 24.6k, 24.6k, 20.5k, 8.2k, 0, 0 pages by
 # default (some runs 24.6k, 24.6k, 24.6k, 24.5k, 8.2k, 0) and 24.6k, 4.1k, 0, 0, 0, 0
-# so (tests/test_bench_ddp.py). Benchmarks that compare step times call this before
+# so (tests/bench/test_ddp.py). Benchmarks that compare step times call this before
 # building their models.
 
 

@@ -37,15 +37,13 @@ from ..clip import clip_grad_norm_ as pycomm_clip_grad_norm_
 from ..config import DDPConfig
 from ..ddp import DistributedDataParallel as PycommDDP
 from . import bucket_sweep, common
+from .models import MODELS, build_model, per_rank
 
-MODELS = ("mlp", "transformer", "transformer_b1")
-_TRANSFORMER_BATCH = {"transformer": 4, "transformer_b1": 1}
-_SEQ = 64
 IMPLS = {
     "torch": TorchDDP,
     "pycomm": PycommDDP,
     # pycomm with every bucket's all-reduce on the backward thread (see Note [Inline
-    # collectives] in csrc/reducer/reducer.cpp): only with --impls, for comparison.
+    # collectives] in csrc/reducer/launch.cpp): only with --impls, for comparison.
     "pycomm_inline": lambda m, **kw: PycommDDP(m, config=DDPConfig(inline_collectives=True,
                                                                    **kw)),
     # pycomm copying gradients with ATen instead of streaming stores (Note [Streaming
@@ -102,38 +100,6 @@ class Result:
     no_sync_cpu_ms: float   # the same inside no_sync(): cpu_ms - this = communication's CPU
     overlap: float          # pycomm: median of the least overlapped rank's step; torch: nan
     wire_mb: float = float("nan")  # per synchronized step, MB host 0 sent on its link (--hosts)
-
-
-class _Model(nn.Module):
-    """A benchmark network behind a forward of its own, as a user's model is: dynamo
-    compiles a DDP-wrapped module's forward through torch's DDP only when that forward is
-    not torch's own code (nn.Sequential's, nn.TransformerEncoder's)."""
-
-    def __init__(self, net: nn.Module):
-        super().__init__()
-        self.net = net
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-
-def _model(name: str, samples: int = 32) -> tuple[nn.Module, torch.Tensor]:
-    """The model and one rank's input; `samples` is the MLP's batch per rank."""
-    torch.manual_seed(0)
-    if name == "mlp":  # 6 x (2048 x 2048) ~ 25.2M parameters
-        layers = [m for _ in range(6) for m in (nn.Linear(2048, 2048), nn.ReLU())]
-        return _Model(nn.Sequential(*layers)), torch.randn(samples, 2048)
-    if name in _TRANSFORMER_BATCH:  # 8 encoder layers, d_model 512, ff 2048 ~ 25.2M params
-        layer = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
-        return (_Model(nn.TransformerEncoder(layer, 8, enable_nested_tensor=False)),
-                torch.randn(_TRANSFORMER_BATCH[name], _SEQ, 512))
-    raise ValueError(f"unknown model {name!r}; expected one of {MODELS}")
-
-
-def _per_rank(name: str, x: torch.Tensor) -> str:
-    if name == "mlp":
-        return f"{x.shape[0]} samples"
-    return f"{x.shape[0]}x{x.shape[1]}={x.shape[0] * x.shape[1]} tokens"
 
 
 def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.Module]:
@@ -218,7 +184,7 @@ def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
 
 
 def run_model(cfg: Config, name: str) -> list[Result]:
-    module, x = _model(name, cfg.samples)
+    module, x = build_model(name, cfg.samples)
     variants = cfg.variants()
     runs = {}
     for variant in variants:
@@ -246,7 +212,7 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                           for i in range(3))
         quiet, _, quiet_cpu = (statistics.median(s[i] for s in samples[True]) * 1e3
                                for i in range(3))
-        results.append(Result(name, params, _per_rank(name, x), variant, step, bwd, quiet,
+        results.append(Result(name, params, per_rank(name, x), variant, step, bwd, quiet,
                               step - quiet, cpu, quiet_cpu, _median(samples["overlap"]),
                               _median(samples["wire"]) / 1e6))
     return results

@@ -1,0 +1,125 @@
+"""Constructor-argument wiring of pycomm's DistributedDataParallel (module.py): which
+torch arguments are refused, how torch's keyword arguments and a DDPConfig combine, which
+process group gradients run on, and the output traversal that finds the tensors backward
+starts from. Pure functions of their arguments; the module itself stays in module.py."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from dataclasses import fields, is_dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..config import DDPConfig
+from ..shm import hierarchical_group, same_host_group
+
+_UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
+    "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "
+                        "events (torch's own DDP fails on CPU: 'cpu backend doesn't support "
+                        "events'), so pycomm has no oracle for it here; for fp32 reduction of "
+                        "bf16/fp16 gradients use DDPConfig(grad_reduce_dtype=torch.float32)"),
+}
+
+
+def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
+    """The group gradient collectives run on: the one place that choice is made. A Gloo
+    group whose ranks share this host gets a shared-memory "pycomm" group over the same
+    ranks (config.shared_memory_gradients); one spanning hosts with several ranks on each
+    a hierarchical "pycomm" group (config.hierarchical_allreduce); anything else keeps
+    `process_group`."""
+    if not config.shared_memory_gradients:
+        return process_group
+    group = same_host_group(process_group)
+    if group is None and config.hierarchical_allreduce:
+        group = hierarchical_group(process_group)
+    return group or process_group
+
+
+def find_tensors(obj: Any) -> list[torch.Tensor]:
+    """Tensors inside an output made of tensors, tuples, lists, dicts and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return list(itertools.chain.from_iterable(map(find_tensors, obj)))
+    if isinstance(obj, dict):
+        return list(itertools.chain.from_iterable(map(find_tensors, obj.values())))
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return list(itertools.chain.from_iterable(
+            find_tensors(getattr(obj, f.name)) for f in fields(obj)))
+    return []
+
+
+def resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
+    if device_mesh is not None:
+        if process_group is not None:
+            raise RuntimeError("pass either process_group or device_mesh, not both")
+        if device_mesh.ndim != 1:
+            # torch 2.13 refuses these too (RuntimeError "Only 1D device mesh is supported");
+            # a 1-D slice of a larger mesh (mesh["dp"]) is what both accept.
+            raise NotImplementedError(f"device_mesh: only a 1-D mesh (or a 1-D slice such as "
+                                      f"mesh['dp'] of a larger one) is supported, as in "
+                                      f"torch, got a {device_mesh.ndim}-D mesh")
+        return device_mesh.get_group(mesh_dim=0)
+    group = (process_group if process_group is not None
+             else dist.distributed_c10d._get_default_group())
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"process_group must be a torch.distributed.ProcessGroup, got "
+                        f"{type(group).__name__}")
+    return group
+
+
+def check_args(args: dict[str, Any]) -> None:
+    for name, (supported, why) in _UNIMPLEMENTED.items():
+        if args[name] is not supported and args[name] != supported:
+            raise NotImplementedError(f"pycomm DistributedDataParallel does not implement "
+                                      f"{name}={args[name]!r}: {why}")
+    if (args["delay_all_reduce_named_params"] is None) != (
+            args["param_to_hook_all_reduce"] is None):
+        raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to "
+                         "be set at the same time.")
+    if args["check_reduction"]:
+        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                      "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
+
+
+def buffer_sync(broadcast_buffers: Optional[bool],
+                forward_sync_buffers: Optional[bool]) -> tuple[bool, bool]:
+    """(sync buffers before forwards, sync them at construction), as torch 2.13 derives
+    them: forward_sync_buffers wins and leaves the construction-time sync on; the
+    deprecated broadcast_buffers alone governs both."""
+    if broadcast_buffers is not None:
+        which = ("is ignored because forward_sync_buffers was given"
+                 if forward_sync_buffers is not None else
+                 "also turns off the construction-time buffer sync, which "
+                 "forward_sync_buffers=False does not")
+        warnings.warn(f"DistributedDataParallel(broadcast_buffers=...) is deprecated in torch "
+                      f"2.13 (use forward_sync_buffers); its value {which}",
+                      FutureWarning, stacklevel=4)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    sync = True if broadcast_buffers is None else broadcast_buffers
+    return sync, sync
+
+
+def config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPConfig:
+    sync, init_buffers = buffer_sync(args["broadcast_buffers"], args["forward_sync_buffers"])
+    caps = args["bucket_cap_mb_list"]
+    from_args = dict(
+        bucket_cap_mb=args["bucket_cap_mb"],
+        bucket_cap_mb_list=None if caps is None else tuple(caps),
+        find_unused_parameters=args["find_unused_parameters"],
+        gradient_as_bucket_view=args["gradient_as_bucket_view"],
+        static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"],
+        init_sync_buffers=init_buffers,
+        skip_all_reduce_unused_params=args["skip_all_reduce_unused_params"],
+        batched_grad_copy=args["batched_grad_copy"])
+    if config is None:
+        return DDPConfig(**from_args)
+    default = DDPConfig()
+    clash = [k for k, v in from_args.items() if v != getattr(default, k)]
+    if clash:
+        raise ValueError(f"pass {', '.join(clash)} either as arguments or in config, not both")
+    return config

@@ -1,0 +1,135 @@
+"""Construction of pycomm's DistributedDataParallel: which parameters and buffers it
+reduces, keeps identical across ranks or leaves alone, the device checks, the
+construction-time check and broadcast of the ranks' states, and the reducer with its first
+bucket layout. Pure functions of what they are given; torch's keyword arguments are
+args.py's, the module that calls these is module.py."""
+
+from __future__ import annotations
+
+import itertools
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _C
+from ..config import BROADCAST_BUCKET_BYTES, DDPConfig
+from ..objects import all_gather_object
+from ..shm import ranks_by_host
+from .compat import TorchReducer
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def ignored(module: nn.Module, delayed_names: set[str]) -> set[str]:
+    """Names the reducer and the state broadcasts leave alone: the module's ignored ones and
+    the delayed ones (see delay.py), as torch's parameters_to_ignore."""
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())) | delayed_names
+
+
+def trainable_params(module: nn.Module, delayed_names: set[str]) -> NamedParams:
+    """The parameters whose gradients the reducer all-reduces."""
+    skip = ignored(module, delayed_names)
+    named = [(n, p) for n, p in module.named_parameters()
+             if p.requires_grad and n not in skip]
+    if not named and delayed_names:
+        raise NotImplementedError("delay_all_reduce_named_params covering every trainable "
+                                  "parameter (torch then runs without a reducer) is not "
+                                  "implemented by pycomm")
+    if not named:
+        raise RuntimeError("DistributedDataParallel is not needed when a module doesn't "
+                           "have any parameter that requires a gradient.")
+    for name, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            raise NotImplementedError(f"sparse gradients ({name or 'module'} has "
+                                      "sparse=True) are not supported by pycomm DDP")
+    return named
+
+
+def params_to_sync(module: nn.Module, delayed_names: set[str]) -> NamedParams:
+    """Parameters (trainable or not) kept identical across ranks: all but the ignored."""
+    skip = ignored(module, delayed_names)
+    return [(n, p) for n, p in module.named_parameters() if n not in skip]
+
+
+def buffers_to_sync(module: nn.Module, delayed_names: set[str]) -> list[torch.Tensor]:
+    skip = ignored(module, delayed_names)
+    return [b.detach() for n, b in module.named_buffers() if n not in skip]
+
+
+class Placement(NamedTuple):
+    """Where the module lives, in torch's terms."""
+    device: torch.device
+    device_ids: Optional[list[int]]
+    output_device: object
+
+
+def placement(module: nn.Module, named_params: NamedParams, device_ids, output_device,
+              group: dist.ProcessGroup) -> Placement:
+    """The module's device, checked against torch's rules for device_ids and the backend."""
+    devices = {p.device for _, p in named_params}
+    if len(devices) > 1 and device_ids is not None:
+        raise ValueError(f"DistributedDataParallel device_ids and output_device arguments "
+                         f"only work with single-device modules, but parameters are on "
+                         f"{sorted(map(str, devices))}; pass device_ids=None")
+    device = next(iter(devices))
+    if device.type == "cpu" and device_ids is not None:
+        raise ValueError(f"device_ids must be None for a CPU module, got {device_ids}")
+    for name, sub in module.named_modules():
+        if isinstance(sub, nn.SyncBatchNorm) and device.type == "cpu":
+            raise ValueError(f"SyncBatchNorm layers only work with GPU modules ({name})")
+    if dist.get_backend(group) == "nccl" and device.type != "cuda":
+        raise ValueError(f"process group backend 'nccl' cannot reduce gradients of "
+                         f"parameters on {device}; use a gloo group for CPU modules")
+    ids = None if device_ids is None else [
+        d.index if isinstance(d, torch.device) else int(d) for d in device_ids]
+    output = output_device if output_device is not None else (ids[0] if ids else None)
+    return Placement(device, ids, output)
+
+
+def verify_and_sync_states(group: dist.ProcessGroup, params: NamedParams,
+                           buffers: list[torch.Tensor]) -> None:
+    """Check every rank holds the same parameters (name, shape, dtype), then broadcast rank
+    0's parameters and `buffers`."""
+    meta = [(n, tuple(p.shape), str(p.dtype)) for n, p in params]
+    gathered = all_gather_object(meta, group=group)
+    for rank, other in enumerate(gathered):
+        if other == gathered[0]:
+            continue
+        for a, b in itertools.zip_longest(gathered[0], other):
+            if a != b:
+                raise RuntimeError(f"DDP expects the same parameters on every rank: rank 0 "
+                                   f"has {a}, rank {rank} has {b} (name, shape, dtype)")
+    states = [p.detach() for _, p in params] + buffers
+    if states:
+        dist._broadcast_coalesced(group, states, BROADCAST_BUCKET_BYTES, 0)
+
+
+def build_reducer(named_params: NamedParams, gradient_pg: dist.ProcessGroup,
+                  group: dist.ProcessGroup, config: DDPConfig) -> TorchReducer:
+    """The C++ reducer over `named_params`, all-reducing on `gradient_pg`."""
+    params = [p for _, p in named_params]
+    names = [n for n, _ in named_params]
+    # Before any gradient was seen: buckets cut in reverse registration order (so overlap
+    # starts at step 1, unlike torch 2.13's single first-step bucket), each laid out in
+    # registration order as torch lays out its buckets (so a one-bucket layout is
+    # byte-identical to torch's and reductions match bitwise).
+    order = list(reversed(range(len(params))))
+    assignment = [sorted(b) for b in
+                  _C.assign_buckets(params, order, config.bucket_byte_limits())]
+    c = config
+    reducer = TorchReducer(params, names, assignment, gradient_pg,
+                           c.gradient_as_bucket_view, c.find_unused_parameters,
+                           c.static_graph, c.record_timeline, c.timeline_steps,
+                           c.grad_reduce_dtype,
+                           skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
+                           batched_grad_copy=c.batched_grad_copy,
+                           inline_collectives=c.inline_collectives,
+                           main_grad_only=c.main_grad_only,
+                           streaming_copies=c.streaming_copies,
+                           shared_buckets=c.shared_memory_buckets)
+    # Whose address a Gloo error names, where the group spans hosts (the flat group or the
+    # hierarchical one's Gloo parts; [] on one host).
+    reducer.set_peer_hosts(ranks_by_host(group))
+    return reducer

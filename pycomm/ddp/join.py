@@ -1,0 +1,78 @@
+"""Uneven inputs for pycomm's DDP (torch's Join/Joinable protocol): a rank that ran out of
+data shadows, each iteration the others still run, every collective of their forward and
+backward (bucket rebuild, buffer sync, the sync flag, one all-reduce per bucket in bucket
+order through the registered comm hook, the usage map), so nobody hangs. Mirrors the
+sequence of torch's _DDPJoinHook so that the two can be swapped one for the other.
+
+The hook is given the DDP module's ForwardSync (forward.py: its reducer, groups and the
+collectives of a forward) and the module's public torch flags (JoinFlags); it imports
+nothing of the module itself."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import JoinHook
+
+from ..config import BROADCAST_BUCKET_BYTES, DDPConfig
+from .forward import ForwardSync
+
+
+class JoinFlags(Protocol):
+    """The DDP module's attributes a joined rank reads and sets: torch's public ones."""
+    config: DDPConfig
+    require_forward_param_sync: bool
+
+
+def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
+    """The collectives of one synchronized backward, with zero gradients, in bucket order
+    (see Note [Bucket order] in csrc/reducer/launch.cpp), preceded by the non-finite flag
+    all-reduce of local clipping (Note [Non-finite local norm] in csrc/grad/local_clip.cpp)."""
+    group, reducer = sync.gradient_group, sync.reducer
+    if nonfinite_flag:
+        flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32,
+                            device=sync.device)
+        dist.all_reduce(flags, group=group)
+    buckets = reducer.zeros_like_grad_buckets()
+    if sync.comm_hook is None:
+        pending = [dist.all_reduce(b.buffer(), group=group, async_op=True) for b in buckets]
+    else:
+        state, hook = sync.comm_hook
+        pending = [hook(state, b) for b in buckets]
+    for p in pending:
+        p.wait()
+    used = None
+    if reducer.tracks_usage():  # exactly when the running ranks reduce usage this step
+        used = torch.zeros(len(sync.params), dtype=torch.int32, device=sync.device)
+        dist.all_reduce(used, group=group)
+    reducer.note_shadowed_step(used)
+
+
+class DDPJoinHook(JoinHook):
+    def __init__(self, sync: ForwardSync, flags: JoinFlags):
+        self.sync = sync
+        self.flags = flags
+
+    def main_hook(self) -> None:
+        sync, flags = self.sync, self.flags
+        sync.rebuild_buckets_if_due()
+        if flags.config.broadcast_buffers and flags.require_forward_param_sync:
+            sync.sync_buffers(authoritative=False, join_enabled=True)
+        should_sync = sync.requires_sync(this_rank=False)
+        flags.require_forward_param_sync = should_sync
+        if should_sync:
+            _shadow_backward(sync, flags.config.local_clip_error_if_nonfinite)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Every rank ends with the model of the last rank to join."""
+        sync, flags = self.sync, self.flags
+        src = sync.common_rank(is_last_joiner)
+        states = [p.detach() for _, p in sync.params_to_sync()]
+        if flags.config.broadcast_buffers:
+            states += sync.buffers_to_sync()
+        with torch.no_grad():
+            dist._broadcast_coalesced(sync.process_group, states, BROADCAST_BUCKET_BYTES, src)
+        sync.reducer.set_divide_factor(dist.get_world_size(sync.gradient_group))
+        flags.require_forward_param_sync = True

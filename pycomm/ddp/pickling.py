@@ -1,0 +1,32 @@
+"""torch.save / pickle of pycomm's DistributedDataParallel: which of its attributes are
+rebuilt rather than pickled (process groups, the C++ reducer and what hangs on it), and
+the pickled form of the graph-split state, a plain flag as it always was, so that pickles
+written by earlier pycomm releases load and new ones keep the same keys. Rebuilding the
+unpickled module's reducer is module.py's __setstate__."""
+
+from __future__ import annotations
+
+import copy
+
+from .compile import GraphSplit
+
+REBUILT = ("process_group", "reducer", "_sync", "_bucket_norms", "_delayed", "_local_clip",
+           "_graph_split")
+"""Attributes left out of the pickle; the unpickled module makes its own."""
+
+
+def pickled_state(attrs: dict) -> dict:
+    """The module's __dict__ as pickled."""
+    state = copy.copy(attrs)
+    split = state.get("_graph_split")
+    state["_split_refused"] = split is not None and split.refused
+    for key in REBUILT:
+        state.pop(key, None)
+    return state
+
+
+def unpickled_state(state: dict) -> tuple[dict, GraphSplit]:
+    """The pickled state to restore, and the graph-split state (not refused where a pickle
+    predates the flag)."""
+    state = dict(state)
+    return state, GraphSplit(state.pop("_split_refused", False))

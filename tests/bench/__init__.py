@@ -1,0 +1,1 @@
+"""The pycomm-bench CLI (pycomm/bench/) and the scripts under benchmarks/."""

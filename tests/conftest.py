@@ -1,6 +1,0 @@
-"""Makes tests/multirank.py importable as `multirank` from every test module."""
-
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(__file__))

@@ -1,0 +1,1 @@
+"""pycomm/ddp/: DistributedDataParallel against torch's, its faults and options."""

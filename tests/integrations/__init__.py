@@ -1,0 +1,1 @@
+"""pycomm inside the libraries that train with DDP, and pycomm.patch()."""

@@ -1,0 +1,1 @@
+"""Overlap reports, traces and the alpha-beta model (pycomm/overlap/)."""

@@ -1,0 +1,1 @@
+"""The install, the build, the README's commands, the example, the import graph."""

@@ -1,0 +1,70 @@
+"""Compile every translation unit against another torch release's headers.
+
+The GPU machine runs torch 2.11, this machine 2.13, and c10d's C++ API moves between
+releases (csrc/comm/c10d.h guards what we use). This catches a break before a GPU session
+does. Set PYCOMM_COMPAT_TORCH_INCLUDE to a `torch/include` directory (tools/torch_headers.py
+fetches one; .ci/run does it for 2.11); skipped otherwise. Syntax and template checks only
+(-fsyntax-only / nvcc -c), nothing is linked or run.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sysconfig
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch.utils.cpp_extension as cpp
+
+from tests.support.paths import REPO
+
+ROOT = str(REPO)
+CSRC = os.path.join(ROOT, "csrc")
+INCLUDE = os.environ.get("PYCOMM_COMPAT_TORCH_INCLUDE", "")
+NVCC = shutil.which("nvcc") or (cpp.CUDA_HOME and os.path.join(cpp.CUDA_HOME, "bin", "nvcc"))
+CPP_FILES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cpp"), recursive=True))
+CU_FILES = sorted(glob.glob(os.path.join(CSRC, "**", "*.cu"), recursive=True))
+
+pytestmark = pytest.mark.skipif(not os.path.isdir(INCLUDE),
+                                reason="PYCOMM_COMPAT_TORCH_INCLUDE not set to a torch/include")
+
+
+def _includes() -> list[str]:
+    paths = [CSRC, INCLUDE, os.path.join(INCLUDE, "torch", "csrc", "api", "include"),
+             sysconfig.get_paths()["include"]]
+    if NVCC and os.path.exists(NVCC):
+        paths.append(os.path.join(os.path.dirname(os.path.dirname(NVCC)), "include"))
+    return [f"-I{p}" for p in paths]
+
+
+def _defines() -> list[str]:
+    # The GPU build defines PYCOMM_WITH_CUDA in every unit (setup.py); check that variant,
+    # the CPU one is what the installed torch builds anyway.
+    cuda = ["-DPYCOMM_WITH_CUDA"] if NVCC and os.path.exists(NVCC) else []
+    return ["-DTORCH_API_INCLUDE_EXTENSION_H", "-DTORCH_EXTENSION_NAME=_C", *cuda]
+
+
+def _check(cmd: list[str], source: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode == 0:
+        return ""
+    return f"{os.path.relpath(source, ROOT)}:\n{proc.stderr[-3000:]}"
+
+
+def test_cpp_compiles():
+    # One test, every core: each unit parses all of torch's headers (seconds each).
+    cxx = os.environ.get("CXX", "c++")
+    flags = ["-fsyntax-only", "-std=c++20", "-fopenmp", *_defines(), *_includes()]
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        errors = [e for e in pool.map(lambda src: _check([cxx, *flags, src], src), CPP_FILES) if e]
+    assert not errors, (f"{len(errors)} unit(s) do not compile against {INCLUDE}:\n"
+                        + "\n".join(errors))
+
+
+@pytest.mark.skipif(not NVCC or not os.path.exists(NVCC), reason="nvcc not found")
+@pytest.mark.parametrize("source", CU_FILES, ids=lambda p: os.path.relpath(p, ROOT))
+def test_cu_compiles(source, tmp_path):
+    error = _check([NVCC, "-c", source, "-o", str(tmp_path / "out.o"), "-std=c++20", "-arch=sm_90",
+                    *cpp.COMMON_NVCC_FLAGS, *_defines(), *_includes()], source)
+    assert not error, f"does not compile against {INCLUDE}:\n{error}"

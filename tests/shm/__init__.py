@@ -1,0 +1,1 @@
+"""The "pycomm" shared-memory backend (pycomm/shm.py, csrc/shm/)."""

@@ -1,0 +1,164 @@
+"""The "pycomm" backend beyond plain results: non-contiguous tensors, async ordering and
+futures, send/recv, a subgroup beside the world, 256 MiB, torch's DDP on it (Gloo as the
+oracle throughout)."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import pycomm.shm
+from tests.support.multirank import run_ranks
+
+
+def _non_contiguous(rank, world):
+    gloo = dist.new_group(backend="gloo")
+    for pick in (lambda t: t[:, ::3], lambda t: t.t(), lambda t: t[1::2]):
+        base = torch.arange(60, dtype=torch.float32).view(6, 10) * (rank + 1)
+        want = pick(base).contiguous()
+        dist.all_reduce(want, group=gloo)
+        expected = base.clone()
+        pick(expected).copy_(want)  # the view changes, the rest of its storage does not
+        assert not pick(base).is_contiguous()
+        dist.all_reduce(pick(base))
+        assert torch.equal(base, expected)
+    out = torch.zeros(world, 8)
+    outs = [out[r, ::2] for r in range(world)]  # strided views into one buffer
+    dist.all_gather(outs, torch.arange(4, dtype=torch.float32) + rank)
+    expected = torch.stack([torch.arange(4, dtype=torch.float32) + r for r in range(world)])
+    assert torch.equal(out[:, ::2], expected) and not out[:, 1::2].any()
+    b = torch.full((5, 4), float(rank)).t()
+    dist.broadcast(b, src=world - 1)
+    assert torch.equal(b, torch.full((4, 5), float(world - 1)))
+
+
+def _async_in_order(rank, world):
+    tensors = [torch.full((n,), float(rank + 1)) for n in (3, 500_000, 1, 70_000, 0)]
+    done = []
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
+    for i, w in enumerate(works):
+        w.get_future().then(lambda fut, i=i: done.append(i))
+    for w in reversed(works):
+        assert w.wait()
+    total = world * (world + 1) / 2
+    assert all(torch.all(t == total) for t in tensors)
+    assert done == list(range(len(tensors))), done
+    fut = dist.all_reduce(torch.ones(2), async_op=True).get_future()
+    (value,) = fut.wait()
+    assert torch.equal(value, torch.full((2,), float(world)))
+    assert works[1].is_completed() and works[1].is_success()
+
+
+def _send_recv(rank, world):
+    # A ring, small and over the 256 KiB mailbox, sends posted before receives.
+    for numel in (0, 5, 200_001):
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        msg = torch.arange(numel, dtype=torch.float64) + rank
+        got = torch.empty(numel, dtype=torch.float64)
+        if rank % 2 == 0:
+            dist.send(msg, nxt)
+            dist.recv(got, prv)
+        else:
+            dist.recv(got, prv)
+            dist.send(msg, nxt)
+        assert torch.equal(got, torch.arange(numel, dtype=torch.float64) + prv), numel
+        # Every rank sends before it receives: sends and receives have their own lanes.
+        got = torch.empty(numel, dtype=torch.float64)
+        for req in [dist.isend(msg, nxt), dist.irecv(got, prv)]:
+            req.wait()
+        assert torch.equal(got, torch.arange(numel, dtype=torch.float64) + prv), numel
+
+
+def _behaviour(rank, world_size):
+    _non_contiguous(rank, world_size)
+    _async_in_order(rank, world_size)
+    _send_recv(rank, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_non_contiguous_async_and_p2p(world_size):
+    run_ranks(_behaviour, world_size=world_size, backend="pycomm")
+
+
+def _subgroup_and_world(rank, world):
+    sub = dist.new_group([0, 1], backend="pycomm")
+    for step in range(20):
+        big = torch.full((300_000,), float(rank + step))
+        w_world = dist.all_reduce(big, async_op=True)
+        if rank < 2:
+            small = torch.full((3,), float(rank + 1))
+            dist.all_reduce(small, group=sub)
+            assert torch.equal(small, torch.full((3,), 3.0))
+        w_world.wait()
+        assert torch.all(big == sum(range(world)) + world * step)
+
+
+def test_subgroup_and_world_at_once():
+    run_ranks(_subgroup_and_world, world_size=4, backend="pycomm")
+
+
+def _huge_all_reduce(rank, world):
+    n = (256 << 20) // 4
+    x = torch.full((n,), float(rank + 1))
+    x[::4097] = rank  # a sparse pattern, so misplaced chunks cannot go unnoticed
+    dist.all_reduce(x)
+    expected = torch.full((n,), float(world * (world + 1) // 2))
+    expected[::4097] = world * (world - 1) // 2
+    assert torch.equal(x, expected)
+
+
+def test_all_reduce_256_mib():
+    run_ranks(_huge_all_reduce, world_size=2, backend="pycomm")
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 4))
+
+
+def _train(ddp, rank):
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x, y = torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+def _torch_ddp(rank, world):
+    gloo = dist.new_group(backend="gloo")
+    # Different seeds per rank: DDP's initial broadcast from rank 0 must make them equal.
+    ours = _train(nn.parallel.DistributedDataParallel(_model(rank), bucket_cap_mb=0.01), rank)
+    ref = _train(nn.parallel.DistributedDataParallel(_model(rank), process_group=gloo,
+                                                     bucket_cap_mb=0.01), rank)
+    for a, b in zip(ours, ref):
+        # Two ranks: each gradient sum is one fp32 addition, which commutes; bit-exact.
+        assert torch.equal(a, b)
+
+
+def test_torch_ddp_matches_gloo():
+    run_ranks(_torch_ddp, world_size=2, backend="pycomm")
+
+
+def _same_host_groups(rank, world):
+    group = pycomm.shm.same_host_group(dist.group.WORLD)
+    assert dist.get_backend(group) == "pycomm"
+    assert pycomm.shm.same_host_group(dist.group.WORLD) is group  # cached, no new group
+    t = torch.ones(3)
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((3,), float(world)))
+    pair = dist.new_group([0, 1])
+    if rank < 2:  # built by the members only
+        t = torch.ones(3)
+        dist.all_reduce(t, group=pycomm.shm.same_host_group(pair))
+        assert torch.equal(t, torch.full((3,), 2.0))
+    if rank == 1:
+        pycomm.shm.host_identity = lambda: "elsewhere/boot"
+    assert pycomm.shm.same_host_group(dist.new_group()) is None  # two "hosts": keep Gloo
+
+
+def test_same_host_group_over_gloo():
+    run_ranks(_same_host_groups, world_size=3, backend="gloo")

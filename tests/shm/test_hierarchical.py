@@ -1,0 +1,154 @@
+"""The hierarchical "pycomm" group (csrc/shm/hier.h) on one machine, its ranks told apart
+as "hosts" by their host identity (what pycomm.shm reads to decide which ranks share
+memory). The same code across real network namespaces: tests/hosts/test_hierarchical.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pycomm
+import pycomm.shm
+from tests.support.ddp_models import build
+from tests.support.multirank import run_ranks
+
+
+def _pretend_hosts(rank: int, per_host: list[int]) -> None:
+    """Rank r's host is the index of the block of `per_host` it falls in."""
+    edges, total = [], 0
+    for n in per_host:
+        total += n
+        edges.append(total)
+    host = next(h for h, edge in enumerate(edges) if rank < edge)
+    pycomm.shm.host_identity = lambda: f"host{host}/boot"
+
+
+def _sizes():
+    # empty, smaller than the ranks of a host, not divisible by them, divisible, larger
+    # than the shared segment's slots (512 KiB per round), several rounds.
+    return [0, 1, 3, 7, 1024, 300_001]
+
+
+def _hier_collectives(rank, world, per_host):
+    _pretend_hosts(rank, per_host)
+    group = pycomm.shm.hierarchical_group(dist.group.WORLD)
+    assert group is not None and dist.get_backend(group) == "pycomm"
+    info = pycomm.shm.hierarchy(group)
+    assert info == {"host": rank // per_host[0], "hosts": len(per_host),
+                    "local_rank": rank % per_host[0], "ranks_per_host": per_host[0]}
+    assert pycomm.shm.hierarchical_group(dist.group.WORLD) is group  # cached
+
+    for n in _sizes():
+        for dtype, op in [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
+                          (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
+                          (torch.bfloat16, dist.ReduceOp.SUM)]:
+            g = torch.Generator().manual_seed(n * 31 + rank)
+            x = (torch.randn(n, generator=g) * 100).to(dtype)
+            mine = x.clone()
+            dist.all_reduce(mine, op=op, group=group)
+            flat = x.clone().to(torch.float64) if dtype == torch.bfloat16 else x.clone()
+            if op == dist.ReduceOp.AVG:
+                dist.all_reduce(flat)
+                flat /= world
+            else:
+                dist.all_reduce(flat, op=op)
+            # Integers and max are exact. Floats: the hierarchy adds each host's ranks
+            # first, then the hosts; Gloo's flat ring adds in another order: rounding only.
+            if dtype in (torch.int64,) or op == dist.ReduceOp.MAX:
+                assert torch.equal(mine, flat), (n, dtype, op)
+            else:
+                tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(mine.to(flat.dtype), flat, rtol=tol, atol=tol * 100)
+            # Every rank holds the same bits.
+            gathered = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(gathered, mine)
+            assert all(torch.equal(t, mine) for t in gathered), (n, dtype, op)
+
+    # A non-contiguous tensor, coalesced, and async work in flight at once.
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6) + rank
+    view = base.t()
+    dist.all_reduce(view, group=group)
+    expected = (torch.arange(24, dtype=torch.float32).reshape(4, 6) * world
+                + sum(range(world))).t()
+    assert torch.equal(view, expected)
+    tensors = [torch.full((1000,), float(rank + i)) for i in range(8)]
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    for i, (w, t) in enumerate(zip(works, tensors)):
+        w.wait()
+        assert torch.equal(t, torch.full((1000,), float(sum(range(world)) + world * i)))
+
+    # Everything else goes to the group over all ranks.
+    t = torch.full((5,), float(rank))
+    dist.broadcast(t, src=world - 1, group=group)
+    assert torch.equal(t, torch.full((5,), float(world - 1)))
+    out = [torch.empty(2) for _ in range(world)]
+    dist.all_gather(out, torch.full((2,), float(rank)), group=group)
+    assert [o[0].item() for o in out] == list(range(world))
+    dist.barrier(group=group)
+    assert pycomm.shm.stats(group)["ops_on_caller_thread"] + \
+        pycomm.shm.stats(group)["ops_on_worker_thread"] > 0  # its shared-memory part
+
+
+@pytest.mark.parametrize("per_host", [[2, 2], [1, 1], [3, 3]], ids=["2x2", "2x1", "2x3"])
+def test_hierarchical_allreduce(per_host):
+    if per_host == [1, 1]:
+        run_ranks(_one_per_host, world_size=2)
+        return
+    run_ranks(_hier_collectives, world_size=sum(per_host), per_host=per_host)
+
+
+def _one_per_host(rank, world):
+    _pretend_hosts(rank, [1, 1])
+    # One rank per host: the flat Gloo all-reduce already is the cross-host one.
+    assert pycomm.shm.hierarchical_group(dist.group.WORLD) is None
+    assert pycomm.shm.same_host_group(dist.group.WORLD) is None
+    # Asked for explicitly, a "pycomm" group over two hosts of one rank still works.
+    group = dist.new_group(backend="pycomm")
+    assert pycomm.shm.hierarchy(group)["hosts"] == 2
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    assert torch.equal(t, torch.full((3,), 3.0))
+
+
+def _uneven_hosts(rank, world):
+    _pretend_hosts(rank, [2, 1])
+    assert pycomm.shm.hierarchical_group(dist.group.WORLD) is None  # DDP keeps Gloo
+    layout = r"\(host0/boot: ranks \[0, 1\]; host1/boot: ranks \[2\]\)"
+    with pytest.raises(ValueError, match=r"hosts hold different numbers of ranks " + layout):
+        dist.new_group(backend="pycomm")
+
+
+def test_uneven_hosts_are_refused_by_name():
+    run_ranks(_uneven_hosts, world_size=3)
+
+
+def _ddp_hierarchical(rank, world, hierarchical):
+    _pretend_hosts(rank, [2, 2])
+    torch.manual_seed(0)
+    ours = pycomm.DistributedDataParallel(
+        build("mlp"),
+        config=pycomm.DDPConfig(bucket_cap_mb=0.002, hierarchical_allreduce=hierarchical))
+    torch.manual_seed(0)
+    ref = torch.nn.parallel.DistributedDataParallel(build("mlp"), bucket_cap_mb=0.002)
+    if hierarchical:
+        assert pycomm.shm.hierarchy(ours.gradient_group) == {
+            "host": rank // 2, "hosts": 2, "local_rank": rank % 2, "ranks_per_host": 2}
+    else:
+        assert ours.gradient_group is dist.group.WORLD
+    for step in range(3):
+        g = torch.Generator().manual_seed(step * 10 + rank)
+        x = torch.randn(8, 8, generator=g)
+        for model in (ours, ref):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+        for (name, a), b in zip(ours.module.named_parameters(), ref.module.parameters()):
+            # Four float32 terms per element, added in another order: by host, then
+            # across hosts (hierarchical), or by Gloo's ring over buckets cut otherwise
+            # than torch's (flat; at 2 ranks the one addition is exact in any order).
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("hierarchical", [True, False])
+def test_ddp_uses_the_hierarchy(hierarchical):
+    run_ranks(_ddp_hierarchical, world_size=4, hierarchical=hierarchical)

@@ -1,0 +1,1 @@
+"""What the tests share: the rank launcher, models, fixtures, scripts run as ranks."""
