@@ -86,7 +86,7 @@ class LocalClip {
   // rank must raise in the same step, or the others would launch buckets that this rank
   // never matches and wait out the group timeout. So each rank puts its "non-finite" flag
   // in its slot of a world-sized vector, one all-reduce sums them (before any bucket
-  // launches; a joined rank shadows it with zeros, pycomm/ddp_join.py), and after a host
+  // launches; a joined rank shadows it with zeros, pycomm/ddp/join.py), and after a host
   // sync (torch's error_if_nonfinite syncs too) every rank raises naming the bad ranks.
   // Nothing was scaled or launched: each rank's grads are its local, unclipped ones, as
   // torch's clip_grad_norm_ leaves them when it raises. A rank that never gets here (it

@@ -1,4 +1,4 @@
-// Python face of the C++ reducer: construction, per-step calls from pycomm/ddp.py, comm
+// Python face of the C++ reducer: construction, per-step calls from pycomm/ddp/, comm
 // hooks, the bucket callbacks (see BucketCallback in reducer.h) and the timeline dicts.
 #include "reducer/bind.h"
 

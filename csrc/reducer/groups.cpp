@@ -13,7 +13,7 @@ namespace pycomm::reducer {
 // one after the other as soon as it finishes. In eager mode such a node produces one or
 // two parameters' gradients (a LayerNorm's weight and bias). A compiled region's backward
 // is one node for all the parameters of the region: under torch.compile, dynamo's
-// DDPOptimizer splits the forward graph at bucket-sized pieces (see pycomm/ddp_compile.py)
+// DDPOptimizer splits the forward graph at bucket-sized pieces (see pycomm/ddp/compile.py)
 // and each piece's backward delivers the gradients of its parameters in one burst, in an
 // order of the engine's choosing. Cut by the ready order alone, a bucket can end inside a
 // burst: the burst's remainder then waits in the next bucket for the next piece to

@@ -18,7 +18,7 @@ BufferFactory Reducer::bucket_factory() {
   }
   auto* shm = dynamic_cast<shm::ShmBackend*>(backend.get());
   if (shm == nullptr) return {};
-  // Python warns with shared_buckets_why() (TorchReducer in pycomm/ddp_compat.py).
+  // Python warns with shared_buckets_why() (TorchReducer in pycomm/ddp/compat.py).
   return [this, backend](const std::vector<int64_t>& numels,
                          const std::vector<at::ScalarType>& dtypes) {
     std::string why;

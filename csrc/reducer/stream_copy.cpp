@@ -28,7 +28,7 @@ namespace pycomm::reducer {
 // kStreamCopyMinBytes ATen copies: a small slot may still be in L2 when read.
 // The arithmetic is ATen's: a float32 tensor times a double scalar multiplies by the
 // scalar rounded to float, one IEEE multiply per element, so results are bitwise equal
-// (tests/test_stream_copy.py checks 1/3 and 1/7 at unaligned offsets and several threads).
+// (tests/ddp/test_stream_copy.py checks 1/3 and 1/7 at unaligned offsets and several threads).
 
 #ifdef PYCOMM_STREAM_COPY
 namespace {
