@@ -118,14 +118,6 @@ class DDPConfig:
     (See Note [Streaming copies] in csrc/reducer/stream_copy.cpp). False copies with
     ATen, which can pay on a CPU whose cache holds a whole bucket until its collective
     reads it."""
-    shared_memory_buckets: bool = True
-    """When gradients are reduced over pycomm's shared-memory backend: allocate the CPU
-    buckets themselves in shared memory (one file per rank in /dev/shm, mapped by the
-    others), so that each bucket's all-reduce reads the peers' gradients where they lie
-    instead of copying them through the group's segment: about 40% fewer bytes moved per
-    all-reduce at two ranks (See Note [Symmetric buffers] in csrc/shm/symmetric.h). Where
-    any rank cannot get the memory (/dev/shm full), every rank keeps private buckets and
-    a warning says why. False: private buckets always."""
     main_grad_only: bool = False
     """With grad_reduce_dtype: the reduced gradient of a bf16/fp16 parameter is left in
     param.main_grad (wide dtype) only and param.grad stays None, for an optimizer keeping

@@ -105,7 +105,7 @@ void bind_reducer(py::module& m) {
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
                        std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
                        bool batched_grad_copy, bool inline_collectives, bool main_grad_only,
-                       bool streaming_copies, bool shared_buckets) {
+                       bool streaming_copies) {
              reducer::ReducerOptions o{as_view,         find_unused,    static_graph,
                                        record_timeline, timeline_steps, reduce_dtype};
              o.skip_all_reduce_unused = skip_unused;
@@ -113,7 +113,6 @@ void bind_reducer(py::module& m) {
              o.inline_collectives = inline_collectives;
              o.main_grad_only = main_grad_only;
              o.streaming_copies = streaming_copies;
-             o.shared_buckets = shared_buckets;
              return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment, pg,
                                               o));
            }),
@@ -123,16 +122,12 @@ void bind_reducer(py::module& m) {
            py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
            py::arg("skip_all_reduce_unused_params") = false, py::arg("batched_grad_copy") = false,
            py::arg("inline_collectives") = false, py::arg("main_grad_only") = false,
-           py::arg("streaming_copies") = true, py::arg("shared_buckets") = true)
+           py::arg("streaming_copies") = true)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_no_sync", &Reducer::prepare_no_sync, py::call_guard<py::gil_scoped_release>())
       .def("rebuild_buckets", &Reducer::rebuild_buckets, py::arg("assignment"))
       .def("should_rebuild_buckets", &Reducer::should_rebuild_buckets)
-      .def_property_readonly("buckets_shared", &Reducer::buckets_shared,
-                             "whether the buckets are symmetric buffers in shared memory")
-      .def_property_readonly("shared_buckets_why", &Reducer::shared_buckets_why,
-                             "why they are not, where making them failed")
       .def("note_shadowed_step", &Reducer::note_shadowed_step,
            py::arg("global_used") = std::nullopt)
       .def("tracks_usage", &Reducer::tracks_usage)

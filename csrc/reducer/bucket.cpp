@@ -101,12 +101,10 @@ at::Tensor view_for(const at::Tensor& buffer, const at::Tensor& param, int64_t o
 
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> reduce_dtype,
-    const BufferFactory& factory) {
+    const std::vector<std::vector<size_t>>& assignment,
+    std::optional<at::ScalarType> reduce_dtype) {
   std::vector<std::unique_ptr<Bucket>> buckets;
   std::vector<bool> placed(params.size(), false);
-  std::vector<int64_t> numels;
-  std::vector<at::TensorOptions> options;
   for (size_t bi = 0; bi < assignment.size(); ++bi) {
     const auto& members = assignment[bi];
     TORCH_CHECK_VALUE(!members.empty(), "bucket ", bi, " is empty");
@@ -130,28 +128,16 @@ std::vector<std::unique_ptr<Bucket>> build_buckets(
     }
     // Only low-precision floating buckets are widened (bf16/fp16 grads reduced in fp32).
     const bool widen = reduce_dtype && at::isReducedFloatingType(first.scalar_type());
-    options.push_back(first.options().dtype(widen ? *reduce_dtype : first.scalar_type()));
-    numels.push_back(total);
+    bucket->buffer = at::zeros({total},
+                               first.options().dtype(widen ? *reduce_dtype : first.scalar_type()));
+    for (size_t slot = 0; slot < members.size(); ++slot) {
+      bucket->views.push_back(view_for(bucket->buffer, params[members[slot]],
+                                       static_cast<int64_t>(bucket->offsets[slot])));
+    }
     buckets.push_back(std::move(bucket));
   }
   for (size_t i = 0; i < params.size(); ++i) {
     TORCH_CHECK_VALUE(placed[i], "parameter ", names[i], " is in no bucket");
-  }
-  std::vector<at::Tensor> buffers;
-  const bool on_cpu = std::all_of(options.begin(), options.end(),
-                                  [](const at::TensorOptions& o) { return o.device().is_cpu(); });
-  if (factory && on_cpu && !buckets.empty()) {
-    std::vector<at::ScalarType> dtypes;
-    for (const auto& o : options) dtypes.push_back(c10::typeMetaToScalarType(o.dtype()));
-    buffers = factory(numels, dtypes);
-  }
-  for (size_t bi = 0; bi < buckets.size(); ++bi) {
-    Bucket& bucket = *buckets[bi];
-    bucket.buffer = buffers.empty() ? at::zeros({numels[bi]}, options[bi]) : buffers[bi];
-    for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-      bucket.views.push_back(view_for(bucket.buffer, params[bucket.params[slot]],
-                                      static_cast<int64_t>(bucket.offsets[slot])));
-    }
   }
   return buckets;
 }

@@ -8,8 +8,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <functional>
-#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -62,17 +60,10 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
                                                 const std::vector<int64_t>& byte_limits,
                                                 const std::vector<int64_t>& groups = {});
 
-// Makes the buffers of CPU buckets (zero-filled, one per (numel, dtype)), or returns none
-// to leave them to build_buckets (See Note [Symmetric buffers] in shm/symmetric.h).
-using BufferFactory = std::function<std::vector<at::Tensor>(const std::vector<int64_t>& numels,
-                                                            const std::vector<at::ScalarType>&)>;
-
 // Allocate the buffers of `assignment`. A bucket's dtype is the parameters' dtype, or
-// `reduce_dtype` when given (fp32 reduction of low-precision parameters). When every
-// bucket is on the CPU, `factory` (if set) may provide the buffers.
+// `reduce_dtype` when given (fp32 reduction of low-precision parameters).
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> reduce_dtype,
-    const BufferFactory& factory = {});
+    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> reduce_dtype);
 
 }  // namespace pycomm::reducer

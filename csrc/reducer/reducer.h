@@ -50,9 +50,6 @@ struct ReducerOptions {
   // Gradient copies past kStreamCopyMinBytes with non-temporal stores (See Note
   // [Streaming copies] in stream_copy.cpp).
   bool streaming_copies = true;
-  // CPU buckets over pycomm's shared-memory backend live in symmetric buffers, which the
-  // all-reduce reads in place (See Note [Symmetric buffers] in shm/symmetric.h).
-  bool shared_buckets = true;
   // With reduce_dtype: leave param.grad None for widened parameters after the reduction;
   // the reduced gradient is their fp32 bucket view only (See Note [main_grad accumulation]).
   bool main_grad_only = false;
@@ -122,10 +119,6 @@ class Reducer {
   const std::vector<std::string>& names() const { return names_; }
   int64_t rank() const { return rank_; }
   const comm::ProcessGroupPtr& process_group() const { return pg_; }
-  // Whether the buckets are symmetric buffers, and if not why not ("" where they are, or
-  // where shared_buckets is off or the group is not pycomm's shared-memory one).
-  bool buckets_shared() const { return buckets_shared_; }
-  const std::string& shared_buckets_why() const { return shared_buckets_why_; }
   // The bucket view holding parameter `index`'s gradient (fp32 with reduce_dtype).
   at::Tensor grad_view(size_t index) const;
 
@@ -172,7 +165,6 @@ class Reducer {
     return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
   }
   void open_launch_gate();
-  BufferFactory bucket_factory();  // shared_buckets.cpp
   // Whether a plain copy from or into `grad` may stream (options, and no create_graph).
   bool streams(const at::Tensor& grad) const {
     return options_.streaming_copies && !grad.requires_grad();
@@ -187,8 +179,6 @@ class Reducer {
   std::vector<std::pair<std::string, std::string>> peer_hosts_;
 
   std::vector<std::unique_ptr<Bucket>> buckets_;
-  std::string shared_buckets_why_;
-  bool buckets_shared_ = false;
   std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, slot)
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;

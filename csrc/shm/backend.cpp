@@ -48,7 +48,7 @@ Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& si
 
 ShmBackend::ShmBackend(const std::string& name, int rank, int size,
                        std::chrono::milliseconds timeout, bool create)
-    : c10d::Backend(rank, size), name_(name), timeout_(timeout) {
+    : c10d::Backend(rank, size), timeout_(timeout) {
   auto segment = std::make_unique<Segment>(name, rank, size, kSlotBytes, kMailboxBytes, create);
   // Spinning pays only when every rank can have a core of its own.
   bool spin = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
@@ -151,72 +151,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& te
 
 void ShmBackend::allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op,
                                 const OpContext& ctx) {
-  if (auto [arena, offset] = arena_of(t); arena) {
-    channel_->allreduce_symmetric(*arena, offset, t.numel(), t.scalar_type(), op, ctx);
-    return;
-  }
   Dense d(t);
   channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, ctx);
   d.write_back();
-}
-
-std::pair<std::shared_ptr<Arena>, size_t> ShmBackend::arena_of(const at::Tensor& t) {
-  if (!t.is_contiguous() || t.numel() == 0) return {nullptr, 0};
-  std::lock_guard<std::mutex> lock(arenas_mutex_);
-  for (auto it = arenas_.begin(); it != arenas_.end();) {
-    std::shared_ptr<Arena> arena = it->lock();
-    if (!arena) {
-      it = arenas_.erase(it);
-      continue;
-    }
-    const int64_t offset = arena->offset_of(t.data_ptr(), t.nbytes());
-    if (offset >= 0) return {std::move(arena), static_cast<size_t>(offset)};
-    ++it;
-  }
-  return {nullptr, 0};
-}
-
-std::vector<at::Tensor> ShmBackend::symmetric_buffers(const std::vector<int64_t>& numels,
-                                                      const std::vector<c10::ScalarType>& dtypes,
-                                                      std::string& why) {
-  TORCH_CHECK_VALUE(numels.size() == dtypes.size(), "pycomm symmetric_buffers: ", numels.size(),
-                    " sizes for ", dtypes.size(), " dtypes");
-  // Every buffer starts on a page of its own: no two buckets share a cache line or a page.
-  constexpr size_t kAlign = 4096;
-  std::vector<size_t> offsets;
-  size_t bytes = 0;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    TORCH_CHECK_VALUE(numels[i] >= 0, "pycomm symmetric_buffers: buffer ", i, " has ", numels[i],
-                      " elements");
-    offsets.push_back(bytes);
-    bytes += (numels[i] * c10::elementSize(dtypes[i]) + kAlign - 1) / kAlign * kAlign;
-  }
-  if (bytes == 0) bytes = kAlign;
-  auto made = std::make_shared<std::shared_ptr<Arena>>();
-  auto reason = std::make_shared<std::string>();
-  const uint64_t id = next_arena_++;
-  enqueue(
-      "symmetric_buffers", c10d::OpType::UNKNOWN, {},
-      [this, made, reason, id, bytes](const OpContext& c) {
-        *made = channel_->map_arena(name_, id, bytes, *reason, c);
-      },
-      collectives_, /*blocking=*/true)
-      ->wait();
-  std::shared_ptr<Arena> arena = *made;
-  why = *reason;
-  if (!arena) return {};
-  {
-    std::lock_guard<std::mutex> lock(arenas_mutex_);
-    arenas_.push_back(arena);
-  }
-  std::vector<at::Tensor> out;
-  for (size_t i = 0; i < numels.size(); ++i) {
-    // Each tensor holds the arena: the mappings go with the last of them.
-    out.push_back(at::from_blob(
-        arena->mine() + offsets[i], {numels[i]}, [arena](void*) mutable { arena.reset(); },
-        at::TensorOptions().dtype(dtypes[i])));
-  }
-  return out;
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& tensors,

@@ -14,8 +14,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <utility>
-#include <vector>
 
 #include "comm/c10d.h"
 #include "shm/collectives.h"
@@ -71,15 +69,6 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  // Collective (every rank calls it with the same `numels` and `dtypes`, in the same order
-  // as its other collectives): one contiguous tensor per entry, zero-filled, cut from one
-  // new arena of symmetric buffers (See Note [Symmetric buffers]); all_reduce of such a
-  // tensor reads the peers' copies in place. Empty on every rank, with the first failing
-  // rank's reason in `why`, when any rank could not make its part (the caller then uses
-  // private memory).
-  std::vector<at::Tensor> symmetric_buffers(const std::vector<int64_t>& numels,
-                                            const std::vector<c10::ScalarType>& dtypes,
-                                            std::string& why);
   // Counters since the group was created: how operations ran and how their waits ended
   // (See Note [Adaptive spin] and Note [Waiting helps]); pycomm.shm.stats() documents them.
   std::map<std::string, int64_t> stats() const;
@@ -117,19 +106,12 @@ class ShmBackend : public c10d::Backend {
                                              const at::Tensor& input,
                                              const c10d::AllgatherOptions& opts);
 
-  // The arena holding all of `t` (contiguous), and the byte offset there; null if none.
-  std::pair<std::shared_ptr<Arena>, size_t> arena_of(const at::Tensor& t);
-
-  std::string name_;  // the segment's: arenas are named after it
   std::unique_ptr<Channel> channel_;
   std::chrono::milliseconds timeout_;
   Lane collectives_, sends_, receives_;
   std::atomic<uint64_t> next_seq_{0};
   std::mutex failure_mutex_;
   std::string failure_;  // the first failed operation's error: the group is unusable after it
-  std::mutex arenas_mutex_;
-  std::vector<std::weak_ptr<Arena>> arenas_;  // alive while tensors cut from them are
-  uint64_t next_arena_ = 0;
 };
 
 }  // namespace pycomm::shm

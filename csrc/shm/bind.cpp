@@ -28,18 +28,6 @@ void bind_shm(pybind11::module& m) {
       .def("allreduce_inline", &shm::ShmBackend::allreduce_inline, py::arg("tensor"), py::arg("op"),
            py::call_guard<py::gil_scoped_release>(),
            "A blocking all_reduce in place with no Work (see pycomm.shm.all_reduce).")
-      .def(
-          "symmetric_buffers",
-          [](shm::ShmBackend& self, const std::vector<int64_t>& numels,
-             const std::vector<c10::ScalarType>& dtypes) {
-            std::string why;
-            auto buffers = self.symmetric_buffers(numels, dtypes, why);
-            return std::make_pair(std::move(buffers), std::move(why));
-          },
-          py::arg("numels"), py::arg("dtypes"), py::call_guard<py::gil_scoped_release>(),
-          "Collective: zero-filled tensors in one new arena of shared memory that every rank "
-          "maps (See Note [Symmetric buffers]), and '' ; or no tensors and the first failing "
-          "rank's reason.")
       .def("stats", &shm::ShmBackend::stats,
            "Counters since the group was created (see pycomm.shm.stats).")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),

@@ -18,11 +18,9 @@
 
 #include <cstdint>
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "shm/segment.h"
-#include "shm/symmetric.h"
 #include "shm/sync.h"
 
 namespace pycomm::shm {
@@ -46,14 +44,6 @@ class Channel {
   // See Note [All-reduce paths] (allreduce.cpp).
   void allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                  const OpContext& ctx);
-  // All-reduce in place of `n` elements at byte `offset` of `arena`, which every rank
-  // passes alike (See Note [Symmetric buffers]); an unalike call is an error on every rank.
-  void allreduce_symmetric(const Arena& arena, size_t offset, int64_t n, c10::ScalarType dtype,
-                           c10d::ReduceOp::RedOpType op, const OpContext& ctx);
-  // Collective: make arena `id` of `bytes` per rank, files named after `segment`. Null,
-  // with the first failing rank's reason in `why`, on every rank when any rank failed.
-  std::shared_ptr<Arena> map_arena(const std::string& segment, uint64_t id, size_t bytes,
-                                   std::string& why, const OpContext& ctx);
   void reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op, int root,
               const OpContext& ctx);
   // outs[r] receives rank r's `bytes` bytes of `in`.

@@ -50,10 +50,6 @@ IMPLS = {
     # copies] in csrc/reducer/stream_copy.cpp): only with --impls, for comparison.
     "pycomm_nostream": lambda m, **kw: PycommDDP(m, config=DDPConfig(streaming_copies=False,
                                                                      **kw)),
-    # pycomm with its buckets in private memory (Note [Symmetric buffers] in
-    # csrc/shm/symmetric.h): only with --impls, for comparison.
-    "pycomm_private": lambda m, **kw: PycommDDP(m, config=DDPConfig(shared_memory_buckets=False,
-                                                                    **kw)),
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),

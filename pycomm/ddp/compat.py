@@ -49,19 +49,6 @@ class TorchReducer(_C.Reducer):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._rebuild: weakref.WeakMethod | None = None
-        self._warn_if_private()
-
-    def rebuild_buckets(self, assignment: list[list[int]]) -> None:
-        super().rebuild_buckets(assignment)
-        self._warn_if_private()
-
-    def _warn_if_private(self) -> None:
-        # Every rank gets the same answer (the allocation is collective), so every rank warns.
-        if self.shared_buckets_why:
-            warnings.warn("pycomm DDP: gradient buckets stay in private memory, so each "
-                          "all-reduce copies them through the shared segment ("
-                          f"{self.shared_buckets_why}); DDPConfig.shared_memory_buckets",
-                          stacklevel=3)
 
     def set_rebuild(self, rebuild: Callable[[], bool]) -> None:
         """The forward's bucket rebuild (forward.py's ForwardSync.rebuild_buckets_if_due),
@@ -156,7 +143,6 @@ class TorchDDPAttributes:
             "output_device": -1 if self.output_device is None else int(self.output_device),
             "backend_name": dist.get_backend(self.process_group),
             "gradient_backend_name": dist.get_backend(self.gradient_group),
-            "buckets_in_shared_memory": int(self.reducer.buckets_shared),
             "bucket_cap_bytes": self.bucket_bytes_cap,
             "bucket_sizes": ", ".join(map(str, _bucket_bytes(self))),
             "find_unused_parameters": int(self.config.find_unused_parameters),

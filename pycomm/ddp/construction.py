@@ -127,8 +127,7 @@ def build_reducer(named_params: NamedParams, gradient_pg: dist.ProcessGroup,
                            batched_grad_copy=c.batched_grad_copy,
                            inline_collectives=c.inline_collectives,
                            main_grad_only=c.main_grad_only,
-                           streaming_copies=c.streaming_copies,
-                           shared_buckets=c.shared_memory_buckets)
+                           streaming_copies=c.streaming_copies)
     # Whose address a Gloo error names, where the group spans hosts (the flat group or the
     # hierarchical one's Gloo parts; [] on one host).
     reducer.set_peer_hosts(ranks_by_host(group))

@@ -45,8 +45,7 @@ def _attributes(rank, world_size):
         assert ours.will_sync_module_buffers() == theirs.will_sync_module_buffers()
         ours_log, theirs_log = ours._get_ddp_logging_data(), theirs._get_ddp_logging_data()
         for key, value in ours_log.items():
-            if key in ("gradient_backend_name", "buckets_in_shared_memory", "bucket_sizes",
-                       "dtypes"):
+            if key in ("gradient_backend_name", "bucket_sizes", "dtypes"):
                 continue  # pycomm's own values: its gradient group, buckets, dtype names
             assert value == theirs_log[key], (key, kwargs)
         assert ("static_graph" in ours_log) == ("static_graph" in theirs_log)
