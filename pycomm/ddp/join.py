@@ -4,13 +4,13 @@ backward (bucket rebuild, buffer sync, the sync flag, one all-reduce per bucket 
 order through the registered comm hook, the usage map), so nobody hangs. Mirrors the
 sequence of torch's _DDPJoinHook so that the two can be swapped one for the other.
 
-The hook is given the DDP module's ForwardSync (forward.py: its reducer, groups and the
-collectives of a forward) and the module's public torch flags (JoinFlags); it imports
-nothing of the module itself."""
+The hook is given a getter of the DDP module's current ForwardSync (forward.py: its reducer,
+groups and the collectives of a forward) and the module's public torch flags (JoinFlags); it
+imports nothing of the module itself."""
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,12 +51,14 @@ def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
 
 
 class DDPJoinHook(JoinHook):
-    def __init__(self, sync: ForwardSync, flags: JoinFlags):
+    def __init__(self, sync: Callable[[], ForwardSync], flags: JoinFlags):
+        # A getter, asked at each hook: the wrapper's ForwardSync is rebuilt with its reducer
+        # (_set_static_graph), and a joined rank must shadow the reducer the others run.
         self.sync = sync
         self.flags = flags
 
     def main_hook(self) -> None:
-        sync, flags = self.sync, self.flags
+        sync, flags = self.sync(), self.flags
         sync.rebuild_buckets_if_due()
         if flags.config.broadcast_buffers and flags.require_forward_param_sync:
             sync.sync_buffers(authoritative=False, join_enabled=True)
@@ -67,7 +69,7 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join."""
-        sync, flags = self.sync, self.flags
+        sync, flags = self.sync(), self.flags
         src = sync.common_rank(is_last_joiner)
         states = [p.detach() for _, p in sync.params_to_sync()]
         if flags.config.broadcast_buffers:

@@ -40,9 +40,6 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     instance of torch's DistributedDataParallel too: See Note [Virtual subclass of torch's
     DDP] in compat.py, which also holds torch's attributes that libraries read."""
 
-    # Its public home, whichever file defines it: what pickles and reprs name.
-    __module__ = "pycomm.ddp"
-
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0,
                  broadcast_buffers=None, init_sync=True, process_group=None,
                  bucket_cap_mb=None, find_unused_parameters=False, check_reduction=False,
@@ -245,7 +242,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
                                           f"which collectives the others run for it")
         self._join_divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size",
                                                              True)
-        return DDPJoinHook(self._sync, self)
+        return DDPJoinHook(lambda: self._sync, self)
 
     @property
     def gradient_group(self) -> dist.ProcessGroup:
