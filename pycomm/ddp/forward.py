@@ -35,8 +35,7 @@ class ForwardSync:
         self.gradient_group = gradient_group
         self.device = device
         self.comm_hook: Optional[tuple[Any, Callable]] = None
-        self._bucket_limits = config.bucket_byte_limits()
-        self._reduce_dtype = config.grad_reduce_dtype
+        self.config = config  # read at each use, as the wrapper's own config
         reducer.set_rebuild(self.rebuild_buckets_if_due)
         self.set_main_grads()
 
@@ -49,7 +48,7 @@ class ForwardSync:
     def set_main_grads(self) -> None:
         """param.main_grad: the reducer's wide gradient view, where grad_reduce_dtype makes it
         wider than the parameter."""
-        if self._reduce_dtype is None:
+        if self.config.grad_reduce_dtype is None:
             return
         for i, p in enumerate(self.params):
             view = self.reducer.grad_view(i)
@@ -68,7 +67,8 @@ class ForwardSync:
         group = self.gradient_group
         dist.broadcast(seen, dist.get_global_rank(group, 0), group=group)
         order, groups = seen.cpu().tolist()
-        assignment = _C.assign_buckets(self.params, order, self._bucket_limits, groups)
+        assignment = _C.assign_buckets(self.params, order, self.config.bucket_byte_limits(),
+                                       groups)
         self.reducer.rebuild_buckets(assignment)
         self.set_main_grads()
         return True

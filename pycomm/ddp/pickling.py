@@ -29,4 +29,7 @@ def unpickled_state(state: dict) -> tuple[dict, GraphSplit]:
     """The pickled state to restore, and the graph-split state (not refused where a pickle
     predates the flag)."""
     state = dict(state)
+    # Pickles from before the delayed all-reduce existed hold neither attribute.
+    state.setdefault("_delayed_spec", None)
+    state.setdefault("_delayed_names", set())
     return state, GraphSplit(state.pop("_split_refused", False))

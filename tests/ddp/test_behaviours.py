@@ -130,9 +130,30 @@ def _join_uneven(rank, world_size):
                     grads=False)
 
 
+def _join_after_set_static_graph(rank, world_size):
+    # _set_static_graph() inside join() rebuilds the reducer: a joined rank must shadow the
+    # new one's buckets (the hook asks for the wrapper's current ForwardSync each time).
+    base = build("mlp")
+    models = [pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-3,
+                                             static_graph=True),
+              pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-3)]
+    for late, m in enumerate(models):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with m.join():
+            if late:
+                m._set_static_graph()
+            for step in range(2 + 2 * rank):
+                opt.zero_grad()
+                loss_of(m(make_input("mlp", rank, step))).backward()
+                opt.step()
+    assert_same(models[0], models[1], "join after _set_static_graph", exact=True,
+                grads=False)
+
+
 def test_reduce_bf16_grads_in_fp32_and_join_uneven_inputs():
     run_ranks(_reduce_in_fp32, 2)
     run_ranks(_join_uneven, 2)
+    run_ranks(_join_after_set_static_graph, 2)
 
 
 def _state_and_pickle(rank, world_size):
@@ -159,6 +180,16 @@ def _state_and_pickle(rank, world_size):
             p.grad = None
         loss_of(m(make_input("convbn", rank, 1))).backward()
     assert_same(ours, loaded, "after torch.load", exact=True)
+    # A pickle from before the delayed all-reduce existed has neither of its attributes.
+    state = copy.deepcopy(ours.__getstate__())
+    del state["_delayed_spec"], state["_delayed_names"]
+    older = pycomm.DistributedDataParallel.__new__(pycomm.DistributedDataParallel)
+    older.__setstate__(state)
+    for m in (ours, older):
+        for p in m.parameters():
+            p.grad = None
+        loss_of(m(make_input("convbn", rank, 2))).backward()
+    assert_same(ours, older, "after loading an older pickle", exact=True)
 
 
 def _graph_features(rank, world_size):
