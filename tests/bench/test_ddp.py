@@ -57,13 +57,15 @@ def test_steady_allocator_stops_gradient_sized_blocks_faulting_after_the_first_s
     # See Note [Steady allocator]: the benchmarks' steps must not page-fault over their
     # gradients in some ranks and not others. By default glibc maps them afresh on the
     # second cycle too, and into the fourth or fifth (its mmap threshold is still moving);
-    # fixed, one 16 MiB block at most faults again after the first (measured 4096 pages).
+    # fixed, the heap settles within three cycles: at most two 16 MiB blocks fault again
+    # after the first (0, 4096 or 8192 pages measured, on the second or the third cycle, as
+    # what else the heap holds decides) and nothing faults after that.
     out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     faults = eval(out.strip().splitlines()[-1])
     assert faults[0] > 20000, faults  # the first step maps its gradients either way
     if mode == "steady":
-        assert sum(faults[1:]) < 5000, faults
+        assert sum(faults[1:]) < 2 * 4096 + 1000 and sum(faults[3:]) < 1000, faults
     else:
         assert sum(faults[1:]) > 20000, faults  # what the setting is for
 
