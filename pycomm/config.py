@@ -118,6 +118,13 @@ class DDPConfig:
     (See Note [Streaming copies] in csrc/reducer/stream_copy.cpp). False copies with
     ATen, which can pay on a CPU whose cache holds a whole bucket until its collective
     reads it."""
+    in_place_reduction: bool = True
+    """Over pycomm's shared-memory group, all-reduce each bucket's gradients where they are
+    (read from param.grad, scaled by 1/world as they are read, the sums written back)
+    instead of copying them into the bucket and the result back out: two passes over the
+    gradients' memory fewer per step, the same bits (See Note [Gradients reduced in place]
+    in csrc/reducer/in_place.cpp, which lists what keeps a bucket on its buffer). False
+    always reduces through the bucket, as torch's DDP does."""
     main_grad_only: bool = False
     """With grad_reduce_dtype: the reduced gradient of a bf16/fp16 parameter is left in
     param.main_grad (wide dtype) only and param.grad stays None, for an optimizer keeping

@@ -15,6 +15,15 @@ c10d::ReduceOp reduce_op(const std::string& name) {
                     "': expected sum, avg, max, min or product");
 }
 
+c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg) {
+  TORCH_CHECK(pg, "cpu_backend: process group is null");
+  try {
+    return pg->getBackend(c10::DeviceType::CPU);
+  } catch (const c10::Error&) {
+    return {};  // no backend for CPU tensors (an accelerator-only group)
+  }
+}
+
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op) {
   TORCH_CHECK(pg, "start_allreduce: process group is null");
   std::vector<at::Tensor> tensors{tensor};

@@ -25,6 +25,9 @@ using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 // that names the op.
 c10d::ReduceOp reduce_op(const std::string& name);
 
+// The group's backend for CPU tensors, or null when it has none.
+c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg);
+
 // Launch an asynchronous all-reduce of `tensor` in place on `pg`; the caller waits.
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op);
 

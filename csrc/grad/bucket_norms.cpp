@@ -44,7 +44,8 @@ class BucketNorms {
       std::lock_guard<std::mutex> lock(mutex_);
       p = norm_type_;
     }
-    at::Tensor partial = op.call({bucket.buffer}, p);
+    // In place (See Note [Gradients reduced in place]): the reduced values are the grads.
+    at::Tensor partial = bucket.in_place ? op.call(bucket.grads, p) : op.call({bucket.buffer}, p);
     std::lock_guard<std::mutex> lock(mutex_);
     if (partials_.size() <= bucket.index) partials_.resize(bucket.index + 1);
     partials_[bucket.index] = Entry{std::move(partial), p};
@@ -103,7 +104,8 @@ void bind_bucket_norms(py::module& m) {
       "attach_bucket_norms",
       [](reducer::Reducer& r, double norm_type) {
         auto norms = std::make_shared<BucketNorms>(norm_type);
-        r.add_post_done([norms](reducer::Bucket& b) { norms->on_done(b); });
+        r.add_post_done([norms](reducer::Bucket& b) { norms->on_done(b); },
+                        /*reads_buffer=*/false);
         return norms;
       },
       py::arg("reducer"), py::arg("norm_type"),

@@ -23,6 +23,7 @@ py::dict timeline_dict(const reducer::StepTimeline& step, const std::vector<std:
     d["ready_ns"] = b.ready_ns;
     d["launch_ns"] = b.launch_ns;
     d["done_ns"] = b.done_ns;
+    d["in_place"] = b.in_place;
     buckets.append(std::move(d));
   }
   py::dict d;
@@ -105,7 +106,7 @@ void bind_reducer(py::module& m) {
                        bool static_graph, bool record_timeline, int64_t timeline_steps,
                        std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
                        bool batched_grad_copy, bool inline_collectives, bool main_grad_only,
-                       bool streaming_copies) {
+                       bool streaming_copies, bool in_place_reduction) {
              reducer::ReducerOptions o{as_view,         find_unused,    static_graph,
                                        record_timeline, timeline_steps, reduce_dtype};
              o.skip_all_reduce_unused = skip_unused;
@@ -113,6 +114,7 @@ void bind_reducer(py::module& m) {
              o.inline_collectives = inline_collectives;
              o.main_grad_only = main_grad_only;
              o.streaming_copies = streaming_copies;
+             o.in_place_reduction = in_place_reduction;
              return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment, pg,
                                               o));
            }),
@@ -122,7 +124,7 @@ void bind_reducer(py::module& m) {
            py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
            py::arg("skip_all_reduce_unused_params") = false, py::arg("batched_grad_copy") = false,
            py::arg("inline_collectives") = false, py::arg("main_grad_only") = false,
-           py::arg("streaming_copies") = true)
+           py::arg("streaming_copies") = true, py::arg("in_place_reduction") = true)
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_no_sync", &Reducer::prepare_no_sync, py::call_guard<py::gil_scoped_release>())

@@ -36,7 +36,11 @@ struct Bucket {
   size_t unused = 0;            // parameters unused this step (skip_all_reduce_unused)
   bool skipped = false;         // not reduced this step (all its parameters unused)
   std::vector<size_t> deferred;  // slots whose copy waits for the bucket (batched copy)
-  FuturePtr future;             // completes with the reduced buffer (after post_done)
+  // Reduced where the gradients are, not through `buffer` (See Note [Gradients reduced in
+  // place] in in_place.cpp); once launched, `grads` are the reduced tensors, in slot order.
+  bool in_place = false;
+  std::vector<at::Tensor> grads;
+  FuturePtr future;             // completes after post_done (with the buffer, stale if in_place)
   int64_t ready_ns = -1;
   int64_t launch_ns = -1;
   std::atomic<int64_t> done_ns{-1};

@@ -4,13 +4,36 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include "shm/backend.h"
+
 namespace pycomm::reducer {
 
 namespace py = pybind11;
 
+FuturePtr CommHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> /*grads*/,
+                                 double /*scale*/) {
+  TORCH_CHECK(false, "bucket ", bucket.index, ": this communication hook reduces buckets only");
+}
+
+AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
+    : pg_(std::move(pg)),
+      run_inline_(run_inline),
+      backend_(comm::cpu_backend(pg_)),
+      shm_(dynamic_cast<shm::ShmBackend*>(backend_.get())) {}
+
 FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
                                 const std::vector<at::Tensor>& /*params*/) {
-  auto work = comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM);
+  return finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
+}
+
+FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> grads,
+                                         double scale) {
+  TORCH_CHECK(shm_ != nullptr, "bucket ", bucket.index,
+              ": in-place reduction needs a pycomm shared-memory group");
+  return finish(shm_->allreduce_pieces(std::move(grads), scale));
+}
+
+FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {
   if (run_inline_ && !inline_failed_) {
     try {
       work->wait();

@@ -8,6 +8,10 @@
 #include "comm/c10d.h"
 #include "reducer/bucket.h"
 
+namespace pycomm::shm {
+class ShmBackend;
+}
+
 namespace pycomm::reducer {
 
 class CommHook {
@@ -20,6 +24,12 @@ class CommHook {
   // Whether the reducer pre-divides by the world size while copying into the bucket
   // (the default all-reduce) or leaves averaging to the hook (torch's hooks divide).
   virtual bool reducer_divides() const = 0;
+  // Whether run_in_place can reduce a bucket's gradients where they are (See Note
+  // [Gradients reduced in place] in reducer/in_place.cpp).
+  virtual bool reduces_in_place() const { return false; }
+  // Start the sum of every rank's `grads` (the bucket's, in slot order) times `scale`,
+  // written back into them; the future completes when they hold it.
+  virtual FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale);
 };
 
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
@@ -27,16 +37,22 @@ class CommHook {
 // Note [Inline collectives] in launch.cpp).
 class AllreduceSumHook final : public CommHook {
  public:
-  AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
-      : pg_(std::move(pg)), run_inline_(run_inline) {}
+  AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline);
   FuturePtr run(Bucket& bucket, size_t bucket_count,
                 const std::vector<at::Tensor>& params) override;
   bool reducer_divides() const override { return true; }
+  // On a "pycomm" shared-memory group: its all-reduce of pieces.
+  bool reduces_in_place() const override { return shm_ != nullptr; }
+  FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale) override;
 
  private:
+  FuturePtr finish(const comm::WorkPtr& work);
+
   comm::ProcessGroupPtr pg_;
   bool run_inline_;
   bool inline_failed_ = false;
+  c10::intrusive_ptr<c10d::Backend> backend_;  // keeps shm_ alive
+  shm::ShmBackend* shm_ = nullptr;             // the group's CPU backend, when it is pycomm's
 };
 
 class PythonCommHook final : public CommHook {

@@ -103,6 +103,7 @@ bool Reducer::globally_unused(size_t index) const {
 // otherwise grad becomes (or receives) the reduced bucket slot.
 void Reducer::finalize_bucket(Bucket& bucket) {
   if (bucket.skipped) return;  // torch leaves a skipped bucket's grads untouched
+  if (bucket.in_place) return;  // the grads hold the result (See Note [Gradients reduced in place])
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const size_t index = bucket.params[slot];
     if (globally_unused(index)) continue;
@@ -189,7 +190,8 @@ std::string Reducer::abandon_unfinished_step() {
   local_used_.zero_();
   if (record_order_) order_.clear();  // a partial ready order must not seed the rebuild
   note << ". Its launched collectives completed and the step was discarded; param.grad may "
-       << "still hold this rank's unreduced gradients from it (zero_grad() before the next "
+       << "still hold this rank's unreduced gradients from it, or reduced ones where a bucket "
+       << "was reduced in place (zero_grad() before the next "
        << "backward).";
   return note.str();
 }
@@ -216,6 +218,7 @@ void Reducer::push_timeline(int64_t finalize_start_ns) {
     times.ready_ns = bucket->ready_ns;
     times.launch_ns = bucket->launch_ns;
     times.done_ns = bucket->done_ns.load();
+    times.in_place = bucket->in_place;
     times.ready_stamp = bucket->ready_stamp;
     times.done_stamp = bucket->done_stamp.load();
     step.buckets.push_back(std::move(times));

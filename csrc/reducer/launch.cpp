@@ -38,6 +38,12 @@ void Reducer::begin_backward_locked() {
                                                          : nullptr;
   scale_value_ = 1.0 / static_cast<double>(div_factor_);
   scale_ = at::native::wrapped_scalar_tensor(scale_value_);
+  const bool in_place = in_place_allowed() && !grads_share_memory();
+  for (auto& bucket : buckets_) {
+    const at::ScalarType dtype = bucket->buffer.scalar_type();
+    bucket->in_place = in_place && bucket->buffer.device().is_cpu() &&
+                       (dtype == at::kFloat || dtype == at::kDouble);
+  }
   queue_finalize();
   for (size_t index : unused_) ++buckets_[locator_[index].first]->unused;
   for (size_t index : unused_) mark_ready(index, /*used=*/false);
@@ -70,7 +76,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   marked_[index] = 1;
   const auto [bucket_index, slot] = locator_[index];
   Bucket& bucket = *buckets_[bucket_index];
-  copy_into_bucket(bucket, slot);
+  if (!keeps_in_place(bucket, slot)) copy_into_bucket(bucket, slot);
   if (options_.record_timeline && used && ready_ns_[index] < 0) ready_ns_[index] = now_ns();
   if (record_order_) order_.push_back(index);
   if (--bucket.pending == 0) {
@@ -198,15 +204,20 @@ void Reducer::launch(Bucket& bucket) {
   }
   for (auto& callback : pre_launch_) callback(bucket);
   bucket.launch_ns = now_ns();
-  FuturePtr future = hook_->run(bucket, buckets_.size(), params_);
+  FuturePtr future = launches_in_place(bucket)
+                         ? hook_->run_in_place(bucket, bucket.grads, scale_value_)
+                         : hook_->run(bucket, buckets_.size(), params_);
   Bucket* target = &bucket;
   auto* callbacks = &post_done_;
   bucket.future = future->then(
       [target, callbacks, stamps = stamps_](c10::ivalue::Future& parent) -> c10::IValue {
-        at::Tensor out = result_tensor(parent.value());
+        const c10::IValue& value = parent.value();  // rethrows the collective's error
         target->done_ns.store(now_ns());
         if (stamps) target->done_stamp.store(stamps->stamp());
-        if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
+        if (!target->in_place) {
+          at::Tensor out = result_tensor(value);
+          if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
+        }
         for (auto& callback : *callbacks) callback(*target);
         return target->buffer;
       },

@@ -157,6 +157,8 @@ void Reducer::reset_step() {
     bucket->unused = 0;
     bucket->skipped = false;
     bucket->deferred.clear();
+    bucket->in_place = false;
+    bucket->grads.clear();
     bucket->future.reset();
     bucket->ready_ns = bucket->launch_ns = -1;
     bucket->done_ns.store(-1);
@@ -219,9 +221,10 @@ void Reducer::add_pre_launch(BucketCallback callback) {
   pre_launch_.push_back(std::move(callback));
 }
 
-void Reducer::add_post_done(BucketCallback callback) {
+void Reducer::add_post_done(BucketCallback callback, bool reads_buffer) {
   std::lock_guard<std::mutex> lock(mutex_);
   post_done_.push_back(std::move(callback));
+  post_done_reads_buffer_ = post_done_reads_buffer_ || reads_buffer;
 }
 
 void Reducer::set_divide_factor(int64_t factor) {

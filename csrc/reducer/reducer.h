@@ -50,6 +50,9 @@ struct ReducerOptions {
   // Gradient copies past kStreamCopyMinBytes with non-temporal stores (See Note
   // [Streaming copies] in stream_copy.cpp).
   bool streaming_copies = true;
+  // Reduce each bucket's gradients where they are when the group allows it (See Note
+  // [Gradients reduced in place] in in_place.cpp); false: always through the bucket.
+  bool in_place_reduction = true;
   // With reduce_dtype: leave param.grad None for widened parameters after the reduction;
   // the reduced gradient is their fp32 bucket view only (See Note [main_grad accumulation]).
   bool main_grad_only = false;
@@ -58,7 +61,9 @@ struct ReducerOptions {
 // Extension point: called with a bucket whose gradients are all in, before its collective
 // (pre_launch), or whose collective completed, before finalize (post_done; runs in the
 // collective's completion callback, possibly on a communication thread, while backward
-// goes on). Throwing fails the step with the bucket named.
+// goes on). Throwing fails the step with the bucket named. A post_done callback that
+// reads only Bucket::grads when Bucket::in_place is set is added with reads_buffer false;
+// one that reads the buffer keeps the reducer from reducing in place.
 using BucketCallback = std::function<void(Bucket&)>;
 
 // Extension point (See Note [Deferred launch] in reducer/deferred.cpp): with a launch gate,
@@ -103,7 +108,7 @@ class Reducer {
   void set_comm_hook(std::unique_ptr<CommHook> hook);
   bool has_python_comm_hook() const { return python_hook_; }
   void add_pre_launch(BucketCallback callback);
-  void add_post_done(BucketCallback callback);
+  void add_post_done(BucketCallback callback, bool reads_buffer = true);
   void set_launch_gate(LaunchGate gate);
   // The averaging divisor of the next steps (world size by default; join lowers it).
   void set_divide_factor(int64_t factor);
@@ -146,6 +151,12 @@ class Reducer {
   void drain_launched() noexcept;
   bool skips(const Bucket& bucket) const;
   void flush_batched(Bucket& bucket);
+  // in_place.cpp (See Note [Gradients reduced in place]).
+  bool in_place_allowed() const;
+  bool grads_share_memory() const;
+  bool keeps_in_place(Bucket& bucket, size_t slot);
+  void leave_in_place(Bucket& bucket, size_t except);
+  bool launches_in_place(Bucket& bucket);
   void push_timeline(int64_t finalize_start_ns);
   bool globally_unused(size_t index) const;
   void find_unused(const std::vector<at::Tensor>& outputs);
@@ -188,6 +199,7 @@ class Reducer {
   bool python_hook_ = false;
   std::vector<BucketCallback> pre_launch_;
   std::vector<BucketCallback> post_done_;
+  bool post_done_reads_buffer_ = false;
   LaunchGate gate_;
   std::vector<uint8_t> widened_;      // param's bucket is wider than the param (reduce_dtype)
   std::vector<uint8_t> accumulated_;  // its bucket view holds an unreduced local sum

@@ -57,6 +57,7 @@ struct BucketTimes {
   int64_t ready_ns = -1;
   int64_t launch_ns = -1;
   int64_t done_ns = -1;
+  bool in_place = false;     // reduced in param.grad (Note [Gradients reduced in place])
   int64_t ready_stamp = -1;  // DeviceStamps ids, -1 on CPU
   int64_t done_stamp = -1;
 };

@@ -58,27 +58,92 @@ struct Parts {
 
 }  // namespace
 
+// Where an all-reduce's elements live: one buffer, or pieces read scaled and written back
+// (Channel::allreduce_pieces). Byte offsets are from the start of the whole.
+struct Channel::Target {
+  char* data;
+  const Pieces* pieces;
+  c10::ScalarType dtype;
+  double scale;
+
+  // to[0, len) = the elements at [at, at + len), scaled (pieces) or as they are (data).
+  void take(char* to, size_t at, size_t len) const {
+    if (pieces == nullptr) {
+      std::memcpy(to, data + at, len);
+      return;
+    }
+    const size_t elem = c10::elementSize(dtype);
+    pieces->each(at, len, [&](char* piece, size_t off, size_t n) {
+      scale_copy(dtype, to + off, piece, static_cast<int64_t>(n / elem), scale);
+    });
+  }
+  // The elements at [at, at + len) = from[0, len).
+  void put(size_t at, const char* from, size_t len) const {
+    if (pieces == nullptr) {
+      std::memcpy(data + at, from, len);
+      return;
+    }
+    pieces->each(at, len,
+                 [&](char* piece, size_t off, size_t n) { std::memcpy(piece, from + off, n); });
+  }
+};
+
 void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                         const OpContext& ctx) {
-  const size_t bytes = n * c10::elementSize(dtype);
+  allreduce_target(Target{data, nullptr, dtype, 1.0}, n, op, ctx);
+}
+
+// Note [Pieces all-reduce]
+// The same schedule and the same arithmetic as a one-buffer all-reduce (so ranks may mix
+// the two, and a DDP bucket reduced in place gets the bits of the same bucket reduced
+// through its buffer), with this rank's contribution taken from its pieces: each chunk
+// is copied into this rank's slot whole, scaled on the way, and reduced from the slots
+// only; results go back to the pieces from the slots. The own part's reduction then
+// reads and writes the slot (cache) instead of the tensor, and the tensor is read once
+// and written once per all-reduce, as through one buffer: what the pieces save is the
+// copies into and out of a buffer around the collective.
+void Channel::allreduce_pieces(const Pieces& data, c10::ScalarType dtype, double scale,
+                               const OpContext& ctx) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "pycomm all_reduce of pieces: float32 or float64, got ", dtype);
+  const int64_t n = static_cast<int64_t>(data.bytes() / c10::elementSize(dtype));
+  allreduce_target(Target{nullptr, &data, dtype, scale}, n, c10d::ReduceOp::SUM, ctx);
+}
+
+void Channel::allreduce_target(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
+                               const OpContext& ctx) {
+  const size_t bytes = n * c10::elementSize(data.dtype);
   if (bytes <= std::min(kWholeReduceBytes, segment_->slot_bytes())) {
-    allreduce_whole(data, n, dtype, op, ctx);
+    allreduce_whole(data, n, op, ctx);
   } else {
-    allreduce_pipelined(data, n, dtype, op, ctx);
+    allreduce_pipelined(data, n, op, ctx);
   }
 }
 
-void Channel::allreduce_whole(char* data, int64_t n, c10::ScalarType dtype,
-                              c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
-  std::memcpy(begin_round(), data, n * c10::elementSize(dtype));
+void Channel::allreduce_whole(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
+                              const OpContext& ctx) {
+  const c10::ScalarType dtype = data.dtype;
+  const size_t bytes = n * c10::elementSize(dtype);
+  char* mine = begin_round();
+  data.take(mine, 0, bytes);
   phase(ctx);
   c10::SmallVector<const void*, kInlinePeers> srcs(world_);
-  for (int p = 0; p < world_; ++p) srcs[p] = p == rank_ ? data : peer_slot(p);
-  reduce_buffers(dtype, op, data, srcs.data(), world_, n, world_);
+  if (data.pieces == nullptr) {
+    for (int p = 0; p < world_; ++p) srcs[p] = p == rank_ ? data.data : peer_slot(p);
+    reduce_buffers(dtype, op, data.data, srcs.data(), world_, n, world_);
+    return;
+  }
+  const size_t elem = c10::elementSize(dtype);
+  data.pieces->each(0, bytes, [&](char* piece, size_t off, size_t len) {
+    for (int p = 0; p < world_; ++p) srcs[p] = (p == rank_ ? mine : peer_slot(p)) + off;
+    reduce_buffers(dtype, op, piece, srcs.data(), world_, static_cast<int64_t>(len / elem), world_);
+  });
 }
 
-void Channel::allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
-                                  c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
+                                  const OpContext& ctx) {
+  const c10::ScalarType dtype = data.dtype;
+  const bool pieces = data.pieces != nullptr;
   const size_t elem = c10::elementSize(dtype);
   const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / elem);
   const int64_t chunks = (n + chunk - 1) / chunk;
@@ -89,7 +154,7 @@ void Channel::allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
   auto slot = [&](int r, int64_t k) {
     return segment_->slot(r, static_cast<int>((first_round + k) % kSlotsPerRank));
   };
-  auto at = [&](int64_t k) { return data + k * chunk * elem; };
+  auto at = [&](int64_t k) { return static_cast<size_t>(k * chunk) * elem; };  // bytes
   auto parts = [&](int64_t k) { return Parts(std::min(chunk, n - k * chunk), world_, elem); };
   auto publish = [&](int64_t step) {
     Sync::publish(segment_->rank(rank_).step, base + static_cast<uint32_t>(step));
@@ -100,9 +165,13 @@ void Channel::allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
     }
     Parts ps = parts(k);
     char* mine = slot(rank_, k);
-    for (int p = 0; p < world_; ++p) {
-      const size_t off = ps.lo(p) * elem;
-      if (p != rank_) std::memcpy(mine + off, at(k) + off, ps.len(p) * elem);
+    if (pieces) {
+      data.take(mine, at(k), ps.n * elem);  // own part too: it is reduced from the slot
+    } else {
+      for (int p = 0; p < world_; ++p) {
+        const size_t off = ps.lo(p) * elem;
+        if (p != rank_) data.take(mine + off, at(k) + off, ps.len(p) * elem);
+      }
     }
     publish(2 * k + 1);
   };
@@ -111,17 +180,26 @@ void Channel::allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
     wait_peers(base + static_cast<uint32_t>(2 * k + 1), ctx);
     Parts ps = parts(k);
     const size_t off = ps.lo(rank_) * elem;
-    for (int p = 0; p < world_; ++p) srcs[p] = (p == rank_ ? at(k) : slot(p, k)) + off;
-    reduce_buffers(dtype, op, at(k) + off, srcs.data(), world_, ps.len(rank_), world_,
-                   slot(rank_, k) + off);
-    publish(2 * k + 2);
+    char* own = slot(rank_, k) + off;
+    for (int p = 0; p < world_; ++p) {
+      srcs[p] = p == rank_ && !pieces ? data.data + at(k) + off : slot(p, k) + off;
+    }
+    if (pieces) {
+      reduce_buffers(dtype, op, own, srcs.data(), world_, ps.len(rank_), world_);
+      publish(2 * k + 2);
+      data.put(at(k) + off, own, ps.len(rank_) * elem);
+    } else {
+      reduce_buffers(dtype, op, data.data + at(k) + off, srcs.data(), world_, ps.len(rank_), world_,
+                     own);
+      publish(2 * k + 2);
+    }
   };
   auto copy_out = [&](int64_t k) {
     wait_peers(base + static_cast<uint32_t>(2 * k + 2), ctx);
     Parts ps = parts(k);
     for (int p = 0; p < world_; ++p) {
       const size_t off = ps.lo(p) * elem;
-      if (p != rank_) std::memcpy(at(k) + off, slot(p, k) + off, ps.len(p) * elem);
+      if (p != rank_) data.put(at(k) + off, slot(p, k) + off, ps.len(p) * elem);
     }
   };
   copy_in(0);

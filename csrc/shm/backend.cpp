@@ -192,6 +192,30 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
   allreduce(tensors, opts)->wait();
 }
 
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tensor> tensors,
+                                                            double scale) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "pycomm all_reduce of pieces: no tensors");
+  const c10::ScalarType dtype = tensors.front().scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
+                    "pycomm all_reduce of pieces: float32 or float64 tensors, got ", dtype);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    check_dense("all_reduce of pieces", t);
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.is_contiguous() && !t.is_neg(),
+                      "pycomm all_reduce of pieces: tensor ", i, " is ", t.scalar_type(),
+                      t.is_contiguous() ? "" : ", not contiguous", ", expected contiguous ", dtype,
+                      " like tensor 0");
+  }
+  TORCH_CHECK_VALUE(!any_overlap(tensors),
+                    "pycomm all_reduce of pieces: two of the tensors share memory");
+  auto body = [this, tensors, dtype, scale](const OpContext& c) {
+    Pieces pieces;
+    for (const auto& t : tensors) pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
+    channel_->allreduce_pieces(pieces, dtype, scale, c);
+  };
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, tensors, std::move(body), collectives_);
+}
+
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(
     std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) {
   for (const auto& t : tensors) {

@@ -39,6 +39,12 @@ class ShmBackend : public c10d::Backend {
   // (pycomm.shm.all_reduce; See Note [Inline all-reduce]).
   // `type`, not a ReduceOp: what dist.ReduceOp.SUM is in Python, passed with no conversion.
   void allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedOpType type);
+  // An asynchronous sum all-reduce of `tensors` as one buffer (back to back, in list
+  // order), each rank's elements multiplied by `scale` first, results written back in
+  // place: a DDP bucket reduced where its gradients are (See Note [Pieces all-reduce]).
+  // The same collective as all_reduce of one tensor of their total size. Contiguous,
+  // non-overlapping float32 or float64 CPU tensors of one dtype.
+  c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors, double scale);
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,

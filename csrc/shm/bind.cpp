@@ -28,6 +28,14 @@ void bind_shm(pybind11::module& m) {
       .def("allreduce_inline", &shm::ShmBackend::allreduce_inline, py::arg("tensor"), py::arg("op"),
            py::call_guard<py::gil_scoped_release>(),
            "A blocking all_reduce in place with no Work (see pycomm.shm.all_reduce).")
+      .def(
+          "allreduce_pieces",
+          [](shm::ShmBackend& b, std::vector<at::Tensor> tensors, double scale) {
+            b.allreduce_pieces(std::move(tensors), scale)->wait();
+          },
+          py::arg("tensors"), py::arg("scale"), py::call_guard<py::gil_scoped_release>(),
+          "Blocking: sum all-reduce of `tensors` as one buffer, each rank's elements times "
+          "`scale` first, results in place (the reducer's path; See Note [Pieces all-reduce]).")
       .def("stats", &shm::ShmBackend::stats,
            "Counters since the group was created (see pycomm.shm.stats).")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),

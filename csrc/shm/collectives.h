@@ -16,6 +16,7 @@
 #include <c10/core/ScalarType.h>
 #include <torch/csrc/distributed/c10d/Types.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -31,6 +32,31 @@ struct Split {
   std::vector<size_t> bytes;
 };
 
+// Several buffers of one dtype seen as one, back to back: the gradients of a DDP bucket
+// reduced where they live (See Note [Gradients reduced in place] in reducer/in_place.cpp).
+struct Pieces {
+  std::vector<char*> ptrs;
+  std::vector<size_t> ends;  // where each piece ends, in bytes from the start of the whole
+
+  size_t bytes() const { return ends.empty() ? 0 : ends.back(); }
+  void add(char* data, size_t nbytes) {
+    if (nbytes == 0) return;
+    ptrs.push_back(data);
+    ends.push_back(bytes() + nbytes);
+  }
+  // f(piece_data, offset_in_range, length) for the pieces covering [lo, lo + len), in order.
+  template <typename F>
+  void each(size_t lo, size_t len, F&& f) const {
+    size_t i = std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin();
+    for (size_t pos = lo, hi = lo + len; pos < hi; ++i) {
+      const size_t start = i == 0 ? 0 : ends[i - 1];
+      const size_t take = std::min(hi, ends[i]) - pos;
+      f(ptrs[i] + (pos - start), pos - lo, take);
+      pos += take;
+    }
+  }
+};
+
 class Channel {
  public:
   Channel(std::unique_ptr<Segment> segment, int rank, bool spin);
@@ -44,6 +70,12 @@ class Channel {
   // See Note [All-reduce paths] (allreduce.cpp).
   void allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                  const OpContext& ctx);
+  // The sum of every rank's `data` scaled by `scale` (each rank's elements multiplied by it,
+  // rounded, then summed in rank order: the bits of a sum all-reduce of buffers pre-scaled
+  // by the same multiply), written back into `data`. float32 and float64. The same
+  // collective as allreduce() of `data.bytes()` bytes: a rank may call either.
+  void allreduce_pieces(const Pieces& data, c10::ScalarType dtype, double scale,
+                        const OpContext& ctx);
   void reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op, int root,
               const OpContext& ctx);
   // outs[r] receives rank r's `bytes` bytes of `in`.
@@ -74,10 +106,13 @@ class Channel {
   void phase(const OpContext& ctx);
   // Wait until every other rank's step has reached `target`.
   void wait_peers(uint32_t target, const OpContext& ctx);
-  void allreduce_whole(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+  struct Target;  // allreduce.cpp
+  void allreduce_target(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
+                        const OpContext& ctx);
+  void allreduce_whole(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                        const OpContext& ctx);
-  void allreduce_pipelined(char* data, int64_t n, c10::ScalarType dtype,
-                           c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+  void allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
+                           const OpContext& ctx);
   void allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                        int root, const OpContext& ctx);
   void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,

@@ -157,4 +157,26 @@ void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, voi
   });
 }
 
+namespace {
+
+template <typename T>
+void scale_loop(T* dst, const T* src, int64_t n, T s) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * s;
+}
+
+}  // namespace
+
+void scale_copy(c10::ScalarType dtype, void* dst, const void* src, int64_t n, double scale) {
+  if (n == 0) return;
+  if (scale == 1.0) {
+    std::memcpy(dst, src, n * c10::elementSize(dtype));
+  } else if (dtype == at::kFloat) {
+    scale_loop(static_cast<float*>(dst), static_cast<const float*>(src), n,
+               static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(dtype == at::kDouble, "pycomm shm: scale_copy of ", dtype);
+    scale_loop(static_cast<double*>(dst), static_cast<const double*>(src), n, scale);
+  }
+}
+
 }  // namespace pycomm::shm

@@ -19,4 +19,8 @@ void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp
 void reduce_buffers(c10::ScalarType dtype, c10d::ReduceOp::RedOpType reduce, void* out,
                     const void* const* srcs, int nsrc, int64_t n, int world, void* copy = nullptr);
 
+// dst[i] = src[i] * scale for i < n, the multiply in `dtype` (scale rounded to it once):
+// float32 and float64 only. A plain copy when scale is 1.
+void scale_copy(c10::ScalarType dtype, void* dst, const void* src, int64_t n, double scale);
+
 }  // namespace pycomm::shm

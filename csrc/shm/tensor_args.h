@@ -6,8 +6,10 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace pycomm::shm {
@@ -34,6 +36,22 @@ inline void check_like(const char* op, const at::Tensor& t, const at::Tensor& li
   TORCH_CHECK_VALUE(t.scalar_type() == like.scalar_type() && t.numel() == numel, "pycomm ", op,
                     ": expected a ", like.scalar_type(), " tensor of ", numel, " elements, got ",
                     t.scalar_type(), " with ", t.numel());
+}
+
+// Whether any two of `tensors` share a byte of memory (their data spans, in bytes).
+inline bool any_overlap(const std::vector<at::Tensor>& tensors) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  spans.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    if (t.nbytes() == 0) continue;
+    const auto lo = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    spans.emplace_back(lo, lo + t.nbytes());
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
 }
 
 // A contiguous stand-in for a user tensor, copied back by write_back() when it differs.

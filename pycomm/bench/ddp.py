@@ -50,6 +50,10 @@ IMPLS = {
     # copies] in csrc/reducer/stream_copy.cpp): only with --impls, for comparison.
     "pycomm_nostream": lambda m, **kw: PycommDDP(m, config=DDPConfig(streaming_copies=False,
                                                                      **kw)),
+    # pycomm with every bucket reduced through its buffer (Note [Gradients reduced in
+    # place] in csrc/reducer/in_place.cpp): only with --impls, for comparison.
+    "pycomm_bucketed": lambda m, **kw: PycommDDP(m, config=DDPConfig(in_place_reduction=False,
+                                                                     **kw)),
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),

@@ -127,7 +127,8 @@ def build_reducer(named_params: NamedParams, gradient_pg: dist.ProcessGroup,
                            batched_grad_copy=c.batched_grad_copy,
                            inline_collectives=c.inline_collectives,
                            main_grad_only=c.main_grad_only,
-                           streaming_copies=c.streaming_copies)
+                           streaming_copies=c.streaming_copies,
+                           in_place_reduction=c.in_place_reduction)
     # Whose address a Gloo error names, where the group spans hosts (the flat group or the
     # hierarchical one's Gloo parts; [] on one host).
     reducer.set_peer_hosts(ranks_by_host(group))

@@ -45,7 +45,8 @@ def _step_events(raw: Mapping[str, Any], origin_ns: int) -> list[dict]:
                      max(raw["finalize_end_ns"], last), origin_ns, step=step)]
     for b in raw["buckets"]:
         tid, k = b["index"] + 1, b["index"]
-        args = {"step": step, "bytes": b["nbytes"], "params": len(b["param_indices"])}
+        args = {"step": step, "bytes": b["nbytes"], "params": len(b["param_indices"]),
+                "in_place": bool(b.get("in_place", False))}
         events.append({"ph": "i", "s": "t", "pid": pid, "tid": _BACKWARD_TID,
                        "name": f"bucket {k} ready", "cat": "pycomm",
                        "ts": (b["ready_ns"] - origin_ns) / 1e3, "args": args})

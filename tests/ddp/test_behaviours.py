@@ -20,7 +20,8 @@ from tests.support.multirank import run_ranks
 
 TIMELINE_KEYS = {"step", "rank", "backward_start_ns", "param_ready_ns", "param_names",
                  "buckets", "finalize_start_ns", "finalize_end_ns"}
-BUCKET_KEYS = {"index", "nbytes", "param_indices", "ready_ns", "launch_ns", "done_ns"}
+BUCKET_KEYS = {"index", "nbytes", "param_indices", "ready_ns", "launch_ns", "done_ns",
+               "in_place"}
 
 
 class TwoBranch(nn.Module):

@@ -1,0 +1,98 @@
+// Buckets reduced where their gradients are, with no copy into the bucket and none back.
+#include "reducer/reducer.h"
+#include "shm/tensor_args.h"
+
+namespace pycomm::reducer {
+
+// Note [Gradients reduced in place]
+// torch's DDP moves every gradient through its bucket: its hook copies it in, scaled by
+// 1/world; the bucket is all-reduced; finalize copies the result back into param.grad.
+// Each pass reads and writes every gradient byte once, so with the all-reduce's own pass
+// a step moves each byte through memory three times, and on a CPU that is most of the
+// communication's cost (benchmarks/results/ddp_floor_cpu.md). Over pycomm's
+// shared-memory group the bucket is not needed: the all-reduce of pieces (Note [Pieces
+// all-reduce] in shm/allreduce.cpp) reads each rank's gradients straight from param.grad,
+// multiplying by 1/world as it reads, and writes the sums straight back, with the same
+// arithmetic in the same order, so param.grad ends with the bits the bucket would have
+// given it. The hooks then only count, and finalize has nothing to copy.
+//
+// It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place)
+// when nothing else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
+// is the bucket there), a comm hook, a bucket callback that reads the buffer, a launch
+// gate, batched_grad_copy, find_unused_parameters or static_graph (an unused parameter's
+// slot is zeros that param.grad does not have), reduce_dtype (the wide copy is the bucket),
+// nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient
+// must be a defined, dense, contiguous CPU tensor of the bucket's dtype (float32 or
+// float64) without autograd history (create_graph). The first hook whose gradient is not
+// sends its bucket back to the buffer for the step: the gradients left in place so far
+// are copied in then, as their hooks would have (nothing else wrote them meanwhile:
+// autograd writes a parameter's gradient only before its hook).
+//
+// That last point fails when two parameters' gradients share memory (a user's
+// q.grad = p.grad): q's accumulation writes into p's gradient after p's hook, into a
+// bucket that may be reducing it in place, and torch's result there is defined by the
+// copy p's hook took. Gradients that autograd creates never share memory with another
+// parameter's, so only gradients already there when backward starts can: when any two
+// of them overlap, the whole step goes through the buffers (checked once per step).
+//
+// Once a bucket launches, its collective writes into those param.grad tensors while
+// backward goes on, as torch's reducer writes into the bucket views of
+// gradient_as_bucket_view: autograd does not touch them again in this backward (a second
+// gradient for a parameter is an error there), but a later hook of the user's on the same
+// parameter would see the reduction under way, not the local gradient.
+bool Reducer::in_place_allowed() const {
+  const ReducerOptions& o = options_;
+  return o.in_place_reduction && hook_->reduces_in_place() && !gate_ && pre_launch_.empty() &&
+         !post_done_reads_buffer_ && !o.gradient_as_bucket_view && !o.batched_grad_copy &&
+         !o.find_unused_parameters && !o.static_graph && !o.reduce_dtype.has_value() &&
+         !o.skip_all_reduce_unused;
+}
+
+bool Reducer::grads_share_memory() const {
+  std::vector<at::Tensor> grads;
+  grads.reserve(params_.size());
+  for (const auto& param : params_) {
+    if (param.grad().defined() && param.grad().device().is_cpu()) grads.push_back(param.grad());
+  }
+  return shm::any_overlap(grads);
+}
+
+// At parameter `slot`'s hook: whether its gradient stays where it is (the bucket is still
+// reduced in place and this gradient qualifies); if not, the bucket leaves the in-place
+// path for this step and the caller copies this gradient in.
+bool Reducer::keeps_in_place(Bucket& bucket, size_t slot) {
+  if (!bucket.in_place) return false;
+  const at::Tensor& grad = params_[bucket.params[slot]].grad();
+  const at::Tensor& view = bucket.views[slot];
+  if (grad.defined() && grad.device().is_cpu() && grad.layout() == at::kStrided &&
+      grad.scalar_type() == view.scalar_type() && grad.is_contiguous() && !grad.requires_grad() &&
+      !grad.is_neg() && !grad.is_conj() && !grad.is_alias_of(view)) {
+    return true;
+  }
+  leave_in_place(bucket, slot);
+  return false;
+}
+
+// The bucket goes through its buffer this step: every gradient already marked ready and
+// left in place (all but `except`, which the caller copies) is copied in now.
+void Reducer::leave_in_place(Bucket& bucket, size_t except) {
+  bucket.in_place = false;
+  for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
+    if (slot != except && marked_[bucket.params[slot]]) copy_into_bucket(bucket, slot);
+  }
+}
+
+// At launch: the bucket's gradients, in slot order, into bucket.grads; two that share
+// memory (a gradient replaced during backward) send the bucket back to its buffer.
+bool Reducer::launches_in_place(Bucket& bucket) {
+  if (!bucket.in_place) return false;
+  bucket.grads.clear();
+  bucket.grads.reserve(bucket.params.size());
+  for (size_t index : bucket.params) bucket.grads.push_back(params_[index].grad());
+  if (!shm::any_overlap(bucket.grads)) return true;
+  bucket.grads.clear();
+  leave_in_place(bucket, bucket.params.size());
+  return false;
+}
+
+}  // namespace pycomm::reducer
