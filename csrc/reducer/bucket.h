@@ -37,7 +37,7 @@ struct Bucket {
   bool skipped = false;         // not reduced this step (all its parameters unused)
   std::vector<size_t> deferred;  // slots whose copy waits for the bucket (batched copy)
   // Reduced where the gradients are, not through `buffer` (See Note [Gradients reduced in
-  // place] in in_place.cpp); once launched, `grads` are the reduced tensors, in slot order.
+  // place] in in_place.cpp); from launch to finalize, `grads` are the tensors reduced.
   bool in_place = false;
   std::vector<at::Tensor> grads;
   FuturePtr future;             // completes after post_done (with the buffer, stale if in_place)

@@ -67,7 +67,10 @@ void Reducer::finalize_backward() {
     global_used_ = result_tensor(used_future_->value()).to(at::kCPU);
     local_used_.zero_();
   }
-  for (auto& bucket : buckets_) finalize_bucket(*bucket);
+  for (auto& bucket : buckets_) {
+    finalize_bucket(*bucket);
+    bucket->grads.clear();  // param.grad may be freed (zero_grad) before the next step
+  }
   if (options_.static_graph && track_used_) {
     const int32_t* used = global_used_.data_ptr<int32_t>();
     for (size_t i = 0; i < params_.size(); ++i) static_unused_[i] = used[i] == 0;
