@@ -96,12 +96,15 @@ void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::Redu
 // Note [Pieces all-reduce]
 // The same schedule and the same arithmetic as a one-buffer all-reduce (so ranks may mix
 // the two, and a DDP bucket reduced in place gets the bits of the same bucket reduced
-// through its buffer), with this rank's contribution taken from its pieces: each chunk
-// is copied into this rank's slot whole, scaled on the way, and reduced from the slots
-// only; results go back to the pieces from the slots. The own part's reduction then
-// reads and writes the slot (cache) instead of the tensor, and the tensor is read once
-// and written once per all-reduce, as through one buffer: what the pieces save is the
-// copies into and out of a buffer around the collective.
+// through its buffer), with this rank's elements read from its pieces and multiplied by
+// the scale as they are read: the parts the others reduce are copied into the slot scaled
+// (scale_copy), this rank's own part is reduced straight from the pieces, its elements
+// scaled inside the sum (sum_scaling_one), the result written to the pieces and the slot
+// at once, and the others' results are copied from their slots into the pieces. The
+// bytes moved are those of the one-buffer path; what the pieces save is the copies into
+// and out of a buffer around the collective. A first version copied whole chunks into the
+// slot scaled and reduced the own part there: 14.1 ms of CPU per all-reduce of the
+// benchmark MLP's 12 gradients (100.7 MB, 2 ranks, idle) against 11.5 ms for one buffer.
 void Channel::allreduce_pieces(const Pieces& data, c10::ScalarType dtype, double scale,
                                const OpContext& ctx) {
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
@@ -165,13 +168,9 @@ void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp:
     }
     Parts ps = parts(k);
     char* mine = slot(rank_, k);
-    if (pieces) {
-      data.take(mine, at(k), ps.n * elem);  // own part too: it is reduced from the slot
-    } else {
-      for (int p = 0; p < world_; ++p) {
-        const size_t off = ps.lo(p) * elem;
-        if (p != rank_) data.take(mine + off, at(k) + off, ps.len(p) * elem);
-      }
+    for (int p = 0; p < world_; ++p) {
+      const size_t off = ps.lo(p) * elem;
+      if (p != rank_) data.take(mine + off, at(k) + off, ps.len(p) * elem);
     }
     publish(2 * k + 1);
   };
@@ -181,18 +180,19 @@ void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp:
     Parts ps = parts(k);
     const size_t off = ps.lo(rank_) * elem;
     char* own = slot(rank_, k) + off;
-    for (int p = 0; p < world_; ++p) {
-      srcs[p] = p == rank_ && !pieces ? data.data + at(k) + off : slot(p, k) + off;
-    }
-    if (pieces) {
-      reduce_buffers(dtype, op, own, srcs.data(), world_, ps.len(rank_), world_);
-      publish(2 * k + 2);
-      data.put(at(k) + off, own, ps.len(rank_) * elem);
+    if (pieces) {  // each piece of the own part: reduced where it is, scaled as it is read
+      data.pieces->each(at(k) + off, ps.len(rank_) * elem, [&](char* piece, size_t o, size_t len) {
+        for (int p = 0; p < world_; ++p) srcs[p] = p == rank_ ? piece : slot(p, k) + off + o;
+        sum_scaling_one(dtype, piece, srcs.data(), world_, static_cast<int64_t>(len / elem), rank_,
+                        data.scale, own + o);
+      });
     } else {
+      for (int p = 0; p < world_; ++p)
+        srcs[p] = (p == rank_ ? data.data + at(k) : slot(p, k)) + off;
       reduce_buffers(dtype, op, data.data + at(k) + off, srcs.data(), world_, ps.len(rank_), world_,
                      own);
-      publish(2 * k + 2);
     }
+    publish(2 * k + 2);
   };
   auto copy_out = [&](int64_t k) {
     wait_peers(base + static_cast<uint32_t>(2 * k + 2), ctx);

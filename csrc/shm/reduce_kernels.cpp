@@ -164,7 +164,63 @@ void scale_loop(T* dst, const T* src, int64_t n, T s) {
   for (int64_t i = 0; i < n; ++i) dst[i] = src[i] * s;
 }
 
+// Two sources, the first (kFirst) or the second scaled: one fused loop (Note [Reduction loops]).
+template <typename T, bool kFirst, bool kCopy>
+void pair_scaling_one(T* out, T* copy, const T* a, const T* b, int64_t n, T s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T v = kFirst ? a[i] * s + b[i] : a[i] + b[i] * s;
+    out[i] = v;
+    if constexpr (kCopy) copy[i] = v;
+  }
+}
+
+template <typename T>
+void sum_scaling_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, int scaled,
+                      T s) {
+  auto src = [&](int j) { return static_cast<const T*>(srcs[j]); };
+  if (nsrc == 2) {
+    if (scaled == 0) {
+      copy ? pair_scaling_one<T, true, true>(out, copy, src(0), src(1), n, s)
+           : pair_scaling_one<T, true, false>(out, copy, src(0), src(1), n, s);
+    } else {
+      copy ? pair_scaling_one<T, false, true>(out, copy, src(0), src(1), n, s)
+           : pair_scaling_one<T, false, false>(out, copy, src(0), src(1), n, s);
+    }
+    return;
+  }
+  T acc[kBlock];
+  for (int64_t base = 0; base < n; base += kBlock) {
+    const int64_t len = std::min(kBlock, n - base);
+    for (int j = 0; j < nsrc; ++j) {
+      const T* x = src(j) + base;
+      if (j == 0) {
+        for (int64_t i = 0; i < len; ++i) acc[i] = scaled == 0 ? x[i] * s : x[i];
+      } else if (j == scaled) {
+        for (int64_t i = 0; i < len; ++i) acc[i] += x[i] * s;
+      } else {
+        for (int64_t i = 0; i < len; ++i) acc[i] += x[i];
+      }
+    }
+    T* o = out + base;
+    for (int64_t i = 0; i < len; ++i) o[i] = acc[i];
+    if (copy != nullptr) std::memcpy(copy + base, acc, len * sizeof(T));
+  }
+}
+
 }  // namespace
+
+void sum_scaling_one(c10::ScalarType dtype, void* out, const void* const* srcs, int nsrc, int64_t n,
+                     int scaled, double scale, void* copy) {
+  if (n == 0) return;
+  if (dtype == at::kFloat) {
+    sum_scaling_loop(static_cast<float*>(out), static_cast<float*>(copy), srcs, nsrc, n, scaled,
+                     static_cast<float>(scale));
+  } else {
+    TORCH_CHECK(dtype == at::kDouble, "pycomm shm: sum_scaling_one of ", dtype);
+    sum_scaling_loop(static_cast<double*>(out), static_cast<double*>(copy), srcs, nsrc, n, scaled,
+                     scale);
+  }
+}
 
 void scale_copy(c10::ScalarType dtype, void* dst, const void* src, int64_t n, double scale) {
   if (n == 0) return;

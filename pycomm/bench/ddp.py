@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from ..clip import clip_grad_norm_ as pycomm_clip_grad_norm_
 from ..config import DDPConfig
 from ..ddp import DistributedDataParallel as PycommDDP
+from ..overlap import write_chrome_trace
 from . import bucket_sweep, common
 from .models import MODELS, build_model, per_rank
 
@@ -76,6 +77,7 @@ class Config:
     hosts: str = ""  # "2 hosts x 2 ranks, link 1 Gbit/s (tbf)" for a --hosts run
     samples: int = 32  # the MLP's batch per rank
     clip: float = 0.0  # max_norm of each implementation's gradient clipping; 0: none
+    trace: str = ""  # folder for each pycomm variant's Chrome trace of its last timed steps
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -205,6 +207,8 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                 if not no_sync:
                     samples["wire"].append((_wire_bytes() - sent) / cfg.steps)
                     samples["overlap"] += _overlaps(ddp, cfg.steps)
+    if cfg.trace:
+        _write_traces(cfg, name, runs)
     params = sum(p.numel() for p in module.parameters())
     results = []
     for variant, (_, _, _, samples) in runs.items():
@@ -216,6 +220,16 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                               step - quiet, cpu, quiet_cpu, _median(samples["overlap"]),
                               _median(samples["wire"]) / 1e6))
     return results
+
+
+def _write_traces(cfg: Config, name: str, runs: dict) -> None:
+    """Each pycomm variant's last timed synchronized steps, every rank's, as one Chrome trace
+    (rank 0 writes cfg.trace/ddp_<model>_<variant>.json)."""
+    for variant, (_, ddp, _, _) in runs.items():
+        if isinstance(ddp, PycommDDP):
+            path = os.path.join(cfg.trace, f"ddp_{name}_{variant.replace('+', '_')}.json")
+            write_chrome_trace(path, ddp.step_reports(cfg.steps), all_ranks=True,
+                               group=ddp.process_group)
 
 
 def _median(values: list[float]) -> float:
@@ -330,6 +344,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch.compile backend with --compile (default inductor; aot_eager "
                         "skips code generation)")
     p.add_argument("--json", default=None, help="write the results to this JSON file")
+    p.add_argument("--trace", default="", metavar="DIR",
+                   help="write each pycomm variant's last timed steps (all ranks) as a Chrome "
+                        "trace, DIR/ddp_<model>_<impl>.json")
     bucket_sweep.add_arguments(p)
 
 
@@ -346,7 +363,7 @@ def main(ns: argparse.Namespace) -> int:
         hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
     cfg = Config(tuple(ns.models.split(",")), impls, ns.bucket_cap_mb, ns.warmup, ns.reps,
                  ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts, ns.samples,
-                 ns.clip)
+                 ns.clip, ns.trace)
     if ns.hosts:
         backend, world = "gloo", ns.hosts * ns.ranks_per_host
         text, results = _run_on_hosts(cfg, ns)

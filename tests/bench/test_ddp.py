@@ -2,6 +2,7 @@
 timing loop itself runs in tests/bench/test_bucket_sweep.py's sweep and in recorded runs)."""
 
 import ctypes.util
+import json
 import subprocess
 import sys
 
@@ -91,3 +92,23 @@ def test_clip_runs_each_implementations_clipping_in_both_modes():
     from tests.support.multirank import run_ranks
 
     run_ranks(_clipped_steps, 2)
+
+
+def test_trace_writes_each_pycomm_variants_last_steps(tmp_path):
+    # --trace: one Chrome trace per pycomm variant with every rank's last timed steps; the
+    # bucket slices say whether the bucket was reduced in place (the default over shared
+    # memory) or through its buffer (pycomm_bucketed).
+    out = subprocess.run(
+        [sys.executable, "-m", "pycomm.bench", "ddp", "--models", "mlp", "--impls",
+         "torch,pycomm,pycomm_bucketed", "--reps", "1", "--steps", "2", "--warmup", "1",
+         "--samples", "4", "--trace", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp_mlp_pycomm.json",
+                                                          "ddp_mlp_pycomm_bucketed.json"]
+    for name, in_place in (("pycomm", True), ("pycomm_bucketed", False)):
+        events = json.loads((tmp_path / f"ddp_mlp_{name}.json").read_text())["traceEvents"]
+        reduces = [e for e in events if e.get("name", "").startswith("all_reduce")]
+        steps = {(e["pid"], e["args"]["step"]) for e in reduces}
+        assert {pid for pid, _ in steps} == {0, 1} and len(steps) == 4, steps
+        assert {e["args"]["in_place"] for e in reduces} == {in_place}, name
