@@ -31,7 +31,10 @@ def _extension():
     opt = ["-O0", "-g"] if debug else ["-O3"]
     sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
     macros = []
-    args = {"cxx": opt + ["-fvisibility=hidden"]}
+    # No fused multiply-adds the source did not ask for: the reductions promise the bits of
+    # ATen's separately rounded multiply and add (Note [Pieces all-reduce]), and a compiler
+    # may contract a * s + b where FMA is baseline (aarch64) or enabled (-march=native).
+    args = {"cxx": opt + ["-fvisibility=hidden", "-ffp-contract=off"]}
     kind = CppExtension
     if with_cuda:
         sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))

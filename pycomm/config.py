@@ -112,19 +112,21 @@ class DDPConfig:
     more than it saves on compute-heavy steps and on a machine shared with other work
     (see benchmarks/results/ddp_inline_collectives_2ranks_cpu.md)."""
     streaming_copies: bool = True
-    """Copy gradients of 256 KiB and more into their bucket (and the reduced values back
-    into param.grad) with non-temporal stores, which neither read the destination first
-    nor keep it in cache: about 40% less CPU per copied byte here, bitwise the same values
-    (See Note [Streaming copies] in csrc/reducer/stream_copy.cpp). False copies with
-    ATen, which can pay on a CPU whose cache holds a whole bucket until its collective
-    reads it."""
+    """Where a bucket is not reduced in place (in_place_reduction): copy gradients of 256 KiB
+    and more into their bucket (and the reduced values back into param.grad) with
+    non-temporal stores, which neither read the destination first nor keep it in cache:
+    about 40% less CPU per copied byte here, bitwise the same values (See Note [Streaming
+    copies] in csrc/reducer/stream_copy.cpp). False copies with ATen, which can pay on a
+    CPU whose cache holds a whole bucket until its collective reads it."""
     in_place_reduction: bool = True
     """Over pycomm's shared-memory group, all-reduce each bucket's gradients where they are
     (read from param.grad, scaled by 1/world as they are read, the sums written back)
     instead of copying them into the bucket and the result back out: two passes over the
-    gradients' memory fewer per step, the same bits (See Note [Gradients reduced in place]
-    in csrc/reducer/in_place.cpp, which lists what keeps a bucket on its buffer). False
-    always reduces through the bucket, as torch's DDP does."""
+    gradients' memory fewer per step, the same bits in param.grad (See Note [Gradients
+    reduced in place] in csrc/reducer/in_place.cpp, which lists what keeps a bucket on its
+    buffer). DistributedDataParallel.clip_grad_norm_ then sums its norm per gradient rather
+    than per bucket buffer, which can move the norm's last bit. False always reduces
+    through the bucket, as torch's DDP does."""
     main_grad_only: bool = False
     """With grad_reduce_dtype: the reduced gradient of a bf16/fp16 parameter is left in
     param.main_grad (wide dtype) only and param.grad stays None, for an optimizer keeping

@@ -90,11 +90,12 @@ void Reducer::wait_bucket(Bucket& bucket) {
   const std::string members = describe_params(bucket, names_);
   const int64_t nbytes = bucket.nbytes();
   drain_launched();
+  const std::string reduced = reduced_in_place_note();
   reset_step();
   state_ = State::kIdle;
   TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): the collective of bucket ", failed, " of ",
               buckets_.size(), " (", nbytes, " bytes; parameters ", members,
-              ") failed or timed out: ", error, describe_peers(error, peer_hosts_));
+              ") failed or timed out: ", error, describe_peers(error, peer_hosts_), reduced);
 }
 
 bool Reducer::globally_unused(size_t index) const {
@@ -177,6 +178,7 @@ std::string Reducer::abandon_unfinished_step() {
          << describe_params(*buckets_[launched], names_) << ") and later had not";
   }
   drain_launched();
+  const std::string reduced = reduced_in_place_note();
   for (size_t b = 0; b < launched; ++b) {
     const FuturePtr& future = buckets_[b]->future;
     if (future && future->hasError()) {
@@ -186,17 +188,31 @@ std::string Reducer::abandon_unfinished_step() {
       state_ = State::kIdle;
       TORCH_CHECK(false, note.str(), ". Waiting for the collective of bucket ", b,
                   " it launched failed (did another rank fail elsewhere in that backward?): ",
-                  error);
+                  error, reduced);
     }
   }
   reset_step();
   local_used_.zero_();
   if (record_order_) order_.clear();  // a partial ready order must not seed the rebuild
   note << ". Its launched collectives completed and the step was discarded; param.grad may "
-       << "still hold this rank's unreduced gradients from it, or reduced ones where a bucket "
-       << "was reduced in place (zero_grad() before the next "
-       << "backward).";
+       << "still hold this rank's unreduced gradients from it" << reduced
+       << " (zero_grad() before the next backward).";
   return note.str();
+}
+
+// For a step that ends in an error: which launched buckets were reduced in place, so that
+// their param.grad already holds the reduced values while the others' hold local ones.
+std::string Reducer::reduced_in_place_note() const {
+  std::ostringstream out;
+  size_t count = 0;
+  for (size_t b = 0; b < next_launch_; ++b) {
+    if (!buckets_[b]->in_place || buckets_[b]->skipped) continue;
+    out << (count++ ? ", " : "") << b;
+  }
+  if (count == 0) return "";
+  return "; the gradients of bucket(s) " + out.str() +
+         ", reduced in place (Note [Gradients reduced in place]), are already the reduced "
+         "ones in param.grad";
 }
 
 void Reducer::drain_launched() noexcept {

@@ -22,11 +22,14 @@ namespace pycomm::reducer {
 // gate, batched_grad_copy, find_unused_parameters or static_graph (an unused parameter's
 // slot is zeros that param.grad does not have), reduce_dtype (the wide copy is the bucket),
 // nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient
-// must be a defined, dense, contiguous CPU tensor of the bucket's dtype (float32 or
-// float64) without autograd history (create_graph). The first hook whose gradient is not
-// sends its bucket back to the buffer for the step: the gradients left in place so far
-// are copied in then, as their hooks would have (nothing else wrote them meanwhile:
-// autograd writes a parameter's gradient only before its hook).
+// must be a defined, dense CPU tensor of the bucket's dtype (float32 or float64) without
+// autograd history (create_graph), laid out in memory as its bucket slot is (the same
+// strides): then its bytes are in the order of the slot's, which is what lets ranks whose
+// bucket went through the buffer and ranks whose did not add the same elements together.
+// The first hook whose gradient is not so sends its bucket back to the buffer for the
+// step: the gradients left in place so far are copied in then, as their hooks would have
+// (nothing else wrote them meanwhile: autograd writes a parameter's gradient only before
+// its hook). The launch checks them all again (a gradient replaced after its hook).
 //
 // That last point fails when two parameters' gradients share memory (a user's
 // q.grad = p.grad): q's accumulation writes into p's gradient after p's hook, into a
@@ -62,15 +65,18 @@ bool Reducer::grads_share_memory() const {
 // path for this step and the caller copies this gradient in.
 bool Reducer::keeps_in_place(Bucket& bucket, size_t slot) {
   if (!bucket.in_place) return false;
-  const at::Tensor& grad = params_[bucket.params[slot]].grad();
-  const at::Tensor& view = bucket.views[slot];
-  if (grad.defined() && grad.device().is_cpu() && grad.layout() == at::kStrided &&
-      grad.scalar_type() == view.scalar_type() && grad.is_contiguous() && !grad.requires_grad() &&
-      !grad.is_neg() && !grad.is_conj() && !grad.is_alias_of(view)) {
-    return true;
-  }
+  if (qualifies_in_place(bucket, slot)) return true;
   leave_in_place(bucket, slot);
   return false;
+}
+
+bool Reducer::qualifies_in_place(const Bucket& bucket, size_t slot) const {
+  const at::Tensor& grad = params_[bucket.params[slot]].grad();
+  const at::Tensor& view = bucket.views[slot];
+  return grad.defined() && grad.device().is_cpu() && grad.layout() == at::kStrided &&
+         grad.scalar_type() == view.scalar_type() && grad.is_non_overlapping_and_dense() &&
+         grad.strides() == view.strides() && !grad.requires_grad() && !grad.is_neg() &&
+         !grad.is_conj() && !grad.is_alias_of(view);
 }
 
 // The bucket goes through its buffer this step: every gradient already marked ready and
@@ -82,14 +88,18 @@ void Reducer::leave_in_place(Bucket& bucket, size_t except) {
   }
 }
 
-// At launch: the bucket's gradients, in slot order, into bucket.grads; two that share
-// memory (a gradient replaced during backward) send the bucket back to its buffer.
+// At launch: the bucket's gradients, in slot order, into bucket.grads, each checked again;
+// one replaced since its hook, or two that share memory, send the bucket back to its buffer.
 bool Reducer::launches_in_place(Bucket& bucket) {
   if (!bucket.in_place) return false;
   bucket.grads.clear();
   bucket.grads.reserve(bucket.params.size());
-  for (size_t index : bucket.params) bucket.grads.push_back(params_[index].grad());
-  if (!shm::any_overlap(bucket.grads)) return true;
+  bool all = true;
+  for (size_t slot = 0; slot < bucket.params.size() && all; ++slot) {
+    all = qualifies_in_place(bucket, slot);
+    bucket.grads.push_back(params_[bucket.params[slot]].grad());
+  }
+  if (all && !shm::any_overlap(bucket.grads)) return true;
   bucket.grads.clear();
   leave_in_place(bucket, bucket.params.size());
   return false;

@@ -149,12 +149,14 @@ class Reducer {
   void fail_unready();
   std::string abandon_unfinished_step();
   void drain_launched() noexcept;
+  std::string reduced_in_place_note() const;
   bool skips(const Bucket& bucket) const;
   void flush_batched(Bucket& bucket);
   // in_place.cpp (See Note [Gradients reduced in place]).
   bool in_place_allowed() const;
   bool grads_share_memory() const;
   bool keeps_in_place(Bucket& bucket, size_t slot);
+  bool qualifies_in_place(const Bucket& bucket, size_t slot) const;
   void leave_in_place(Bucket& bucket, size_t except);
   bool launches_in_place(Bucket& bucket);
   void push_timeline(int64_t finalize_start_ns);

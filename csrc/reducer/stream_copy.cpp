@@ -29,6 +29,9 @@ namespace pycomm::reducer {
 // The arithmetic is ATen's: a float32 tensor times a double scalar multiplies by the
 // scalar rounded to float, one IEEE multiply per element, so results are bitwise equal
 // (tests/ddp/test_stream_copy.py checks 1/3 and 1/7 at unaligned offsets and several threads).
+//
+// Over the shared-memory group a bucket is reduced in place instead, with neither copy
+// (See Note [Gradients reduced in place]); these copies serve the buckets that are not.
 
 #ifdef PYCOMM_STREAM_COPY
 namespace {

@@ -195,16 +195,22 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tensor> tensors,
                                                             double scale) {
   TORCH_CHECK_VALUE(!tensors.empty(), "pycomm all_reduce of pieces: no tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].defined(), "pycomm all_reduce of pieces: tensor ", i,
+                      " is undefined");
+  }
   const c10::ScalarType dtype = tensors.front().scalar_type();
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
                     "pycomm all_reduce of pieces: float32 or float64 tensors, got ", dtype);
   for (size_t i = 0; i < tensors.size(); ++i) {
     const at::Tensor& t = tensors[i];
     check_dense("all_reduce of pieces", t);
-    TORCH_CHECK_VALUE(t.scalar_type() == dtype && t.is_contiguous() && !t.is_neg(),
-                      "pycomm all_reduce of pieces: tensor ", i, " is ", t.scalar_type(),
-                      t.is_contiguous() ? "" : ", not contiguous", ", expected contiguous ", dtype,
-                      " like tensor 0");
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pycomm all_reduce of pieces: tensor ", i, " is ",
+                      t.scalar_type(), ", tensor 0 is ", dtype);
+    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "pycomm all_reduce of pieces: tensor ", i,
+                      " is not dense (strides ", t.strides(), " for sizes ", t.sizes(), ")");
+    TORCH_CHECK_VALUE(!t.is_neg() && !t.is_conj(), "pycomm all_reduce of pieces: tensor ", i,
+                      " is a lazily negated or conjugated view; resolve it first");
   }
   TORCH_CHECK_VALUE(!any_overlap(tensors),
                     "pycomm all_reduce of pieces: two of the tensors share memory");

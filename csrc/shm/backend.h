@@ -42,8 +42,8 @@ class ShmBackend : public c10d::Backend {
   // An asynchronous sum all-reduce of `tensors` as one buffer (back to back, in list
   // order), each rank's elements multiplied by `scale` first, results written back in
   // place: a DDP bucket reduced where its gradients are (See Note [Pieces all-reduce]).
-  // The same collective as all_reduce of one tensor of their total size. Contiguous,
-  // non-overlapping float32 or float64 CPU tensors of one dtype.
+  // The same collective as all_reduce of one tensor of their total size. Dense (each one's
+  // bytes taken in memory order), non-overlapping float32 or float64 CPU tensors of one dtype.
   c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors, double scale);
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;

@@ -112,3 +112,23 @@ def test_trace_writes_each_pycomm_variants_last_steps(tmp_path):
         steps = {(e["pid"], e["args"]["step"]) for e in reduces}
         assert {pid for pid, _ in steps} == {0, 1} and len(steps) == 4, steps
         assert {e["args"]["in_place"] for e in reduces} == {in_place}, name
+
+
+def test_cpu_by_thread_script_reports_every_part():
+    # benchmarks/ddp_cpu_by_thread.py, shortened: every part of its report is there, with
+    # the backward thread's CPU in both modes and a figure for each all-reduce alone.
+    import re
+
+    from tests.support.paths import REPO
+
+    out = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "ddp_cpu_by_thread.py"), "--models", "mlp",
+         "--samples", "4", "--steps", "2", "--reps", "2"],
+        capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    for words in ("threads synchronized {'python:", "threads no_sync      {'python:",
+                  "stats per step {", "gc collections during the synchronized steps: ",
+                  "process CPU "):
+        assert words in text, text
+    assert re.search(r"alone: .* pieces [\d.]+ ms, one buffer [\d.]+ ms", text), text

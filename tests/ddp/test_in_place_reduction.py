@@ -115,15 +115,53 @@ def _what_keeps_the_bucket(rank, world):
         assert not any(any(w) for w, _ in ways), ways
         _assert_equal(got, _train(off, model, rank, before_backward=_shared_grads)[0],
                       f"shared, cap {cap}")
-    # Per bucket: a non-contiguous gradient sends its own bucket (one parameter each here)
-    # back to the buffer, the others stay in place.
-    base, on, off = _pair(model, bucket_cap_mb=TINY)
-    got, ways = _train(on, model, rank, before_backward=_strided_grad)
-    assert not on.module.net[0].weight.grad.is_contiguous()
-    index = [name for name, _ in on.module.named_parameters()].index("net.0.weight")
+    # Per bucket: a gradient laid out unlike its slot sends its own bucket (one parameter
+    # each here) back to the buffer, the others stay in place; in one bucket, the switch
+    # comes after other gradients were left in place, which are then copied in.
+    index = [name for name, _ in build(model).named_parameters()].index("net.0.weight")
+    for cap in (TINY, ONE):
+        base, on, off = _pair(model, bucket_cap_mb=cap)
+        got, ways = _train(on, model, rank, before_backward=_strided_grad)
+        assert not on.module.net[0].weight.grad.is_contiguous()
+        everything = [list(range(len(list(on.parameters()))))]
+        for _, on_buffer in ways:
+            assert [sorted(b) for b in on_buffer] == ([[index]] if cap == TINY
+                                                      else everything), ways
+        _assert_equal(got, _train(off, model, rank, before_backward=_strided_grad)[0],
+                      f"strided, cap {cap}")
+
+
+def _transposed_weight(model):
+    """net.0.weight with transposed strides (dense): its bucket slot has them too."""
+    w = model.net[0].weight
+    model.net[0].weight = torch.nn.Parameter(w.detach().t().contiguous().t())
+    return model
+
+
+def _mixed_paths(rank, world):
+    """One rank keeps a transposed weight's gradient in a contiguous tensor (its bucket goes
+    through the buffer), the other lets autograd lay it out like the weight (in place): the
+    two ranks add the same elements together, in the slot's memory order."""
+    base = _transposed_weight(build("mlp"))
+    on = pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=TINY)
+    off = pycomm.DistributedDataParallel(
+        copy.deepcopy(base), config=pycomm.DDPConfig(in_place_reduction=False,
+                                                     bucket_cap_mb=TINY))
+
+    def contiguous_grad(ddp):
+        if rank == 0:
+            w = ddp.module.net[0].weight
+            w.grad = torch.zeros(w.shape)
+
+    index = [name for name, _ in base.named_parameters()].index("net.0.weight")
+    got, ways = _train(on, "mlp", rank, before_backward=contiguous_grad)
     for _, on_buffer in ways:
-        assert on_buffer == [[index]], ways
-    _assert_equal(got, _train(off, model, rank, before_backward=_strided_grad)[0], "strided")
+        assert on_buffer == ([[index]] if rank == 0 else []), (rank, ways)
+    _assert_equal(got, _train(off, "mlp", rank, before_backward=contiguous_grad)[0], "mixed")
+
+
+def test_ranks_on_different_paths_add_the_same_elements():
+    run_ranks(_mixed_paths, 2)
 
 
 def test_what_keeps_a_bucket_on_its_buffer():

@@ -54,6 +54,15 @@ def _against_one_buffer(rank, world):
         assert torch.equal(torch.cat(pieces), want), total
 
 
+def _dense_but_not_contiguous(rank, world):
+    """A transposed (dense) tensor is reduced in its memory order, as a bucket slot with the
+    same strides is."""
+    base = torch.randn(6, 5, generator=torch.Generator().manual_seed(rank))
+    want = _expected([base.flatten()], 1.0 / world)
+    _backend().allreduce_pieces([torch.zeros(3), base.t(), torch.zeros(2)], 1.0 / world)
+    assert torch.equal(base.flatten(), want)
+
+
 def _mixed_with_one_buffer(rank, world):
     """Rank 0 reduces pieces while the others reduce one pre-scaled buffer: one collective,
     the same result everywhere."""
@@ -77,7 +86,8 @@ def _bad_arguments(rank, world):
         ([x[:40], x[30:]], "share memory"),
         ([torch.zeros(8, dtype=torch.int64)], "float32 or float64"),
         ([torch.zeros(8), torch.zeros(8, dtype=torch.float64)], "tensor 1 is Double"),
-        ([torch.zeros(8, 8).t()], "not contiguous"),
+        ([torch.zeros(8), torch.zeros(8, 8)[:, ::2]], "tensor 1 is not dense"),
+        ([torch.zeros(8)._neg_view()], "negated"),
     ]
     for tensors, words in cases:
         with pytest.raises(ValueError, match=words):
@@ -91,6 +101,7 @@ def _bad_arguments(rank, world):
 def _all(rank, world):
     _against_one_buffer(rank, world)
     _mixed_with_one_buffer(rank, world)
+    _dense_but_not_contiguous(rank, world)
     _bad_arguments(rank, world)
     dist.barrier()
 
