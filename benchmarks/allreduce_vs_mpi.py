@@ -14,9 +14,9 @@ all-reduce, part by part").
         --json benchmarks/results/allreduce_vs_openmpi_run1.json
 
 Needs mpirun (apt-get install openmpi-bin libopenmpi-dev; mpicc, for the C floor, comes
-with the latter), mpi4py (pip install mpi4py) and numpy; without them it prints
-"# skipped: <reason>" and exits 0 (with --json, the reason is written there as
-{"skipped": ...}).
+with the latter), then mpi4py and numpy (pip install --no-build-isolation -e ".[mpi]");
+without them it prints "# skipped: <reason>" and exits 0 (with --json, the reason is
+written there as {"skipped": ...}).
 """
 
 from __future__ import annotations
@@ -54,10 +54,9 @@ def missing() -> str | None:
     """Why the comparison cannot run here, or None."""
     if shutil.which("mpirun") is None:
         return "mpirun not found (apt-get install openmpi-bin libopenmpi-dev)"
-    for module, how in (("mpi4py", "pip install mpi4py"),
-                        ("numpy", "pip install numpy")):
+    for module in ("mpi4py", "numpy"):
         if importlib.util.find_spec(module) is None:
-            return f"{module} not importable ({how})"
+            return f'{module} not importable (pip install --no-build-isolation -e ".[mpi]")'
     return None
 
 

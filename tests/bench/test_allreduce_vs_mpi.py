@@ -1,7 +1,7 @@
 """benchmarks/allreduce_vs_mpi.py, the comparison with Open MPI (issue 15), at a few
 sizes: every implementation ran, every all-reduce's sum was right, the output parses. No
-timing is asserted. Without mpirun or mpi4py (Open MPI installed by .ci/run where it can,
-mpi4py by the `test` extra) the run itself is skipped with the reason, and the script's
+timing is asserted. Without mpirun or mpi4py (Open MPI and the `mpi` extra: .ci/run installs
+them after the bare pass) the run itself is skipped with the reason, and the script's
 own skip is checked instead."""
 
 from __future__ import annotations

@@ -27,3 +27,21 @@ def test_the_test_extra_installs_the_optional_extras():
         "optional-dependencies"]
     assert "pycomm[plot,integrations]" in extras["test"], extras["test"]
     assert extras["plot"] == ["matplotlib"]
+
+
+def test_nothing_in_the_test_extra_needs_a_system_library():
+    # mpi4py loads the system's libmpi on import and raises RuntimeError without it; under
+    # the `test` extra it broke every Lightning Trainer on a machine without Open MPI.
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert not any(r.startswith("mpi4py") for r in extras["test"]), extras["test"]
+    assert any(r.startswith("mpi4py") for r in extras["mpi"]), extras["mpi"]
+
+
+def test_ci_runs_the_bare_pass_before_installing_any_system_package():
+    script = (ROOT / ".ci" / "run").read_text()
+    bare = script.index('eval "${commands[1]}"')
+    assert script.index('eval "${commands[0]}"') < bare
+    assert "apt-get" not in script[:bare], "a system package is installed before the bare pass"
+    assert '"optional-dependencies"]["mpi"]' in script[bare:], "the mpi extra is not installed"
