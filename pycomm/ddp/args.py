@@ -24,13 +24,15 @@ _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why n
 }
 
 
-def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig) -> dist.ProcessGroup:
-    """The group gradient collectives run on: the one place that choice is made. A Gloo
-    group whose ranks share this host gets a shared-memory "pycomm" group over the same
-    ranks (config.shared_memory_gradients); one spanning hosts with several ranks on each
-    a hierarchical "pycomm" group (config.hierarchical_allreduce); anything else keeps
-    `process_group`."""
-    if not config.shared_memory_gradients:
+def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig,
+                   device: torch.device) -> dist.ProcessGroup:
+    """The group gradient collectives run on: the one place that choice is made. For
+    parameters in host memory (`device`), a Gloo group whose ranks share this host gets a
+    shared-memory "pycomm" group over the same ranks (config.shared_memory_gradients); one
+    spanning hosts with several ranks on each a hierarchical "pycomm" group
+    (config.hierarchical_allreduce); anything else, CUDA parameters on a Gloo group
+    included (the shared-memory backend reduces host memory only), keeps `process_group`."""
+    if not config.shared_memory_gradients or device.type != "cpu":
         return process_group
     group = same_host_group(process_group)
     if group is None and config.hierarchical_allreduce:

@@ -94,7 +94,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         return construction.buffers_to_sync(self.module, self._delayed_names)
 
     def _build_reducer(self) -> None:
-        gradient_pg = gradient_group(self.process_group, self.config)
+        gradient_pg = gradient_group(self.process_group, self.config, self.device)
         self.reducer = construction.build_reducer(self._named_params, gradient_pg,
                                                   self.process_group, self.config)
         self._sync = ForwardSync(self.reducer, self.module, self._delayed_names,

@@ -44,3 +44,18 @@ def _shm_gradients(rank, world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_pycomm_ddp_reduces_over_shared_memory(world_size):
     run_ranks(_shm_gradients, world_size=world_size, backend="gloo")
+
+
+def _group_by_device(rank, world):
+    from pycomm.ddp.args import gradient_group
+
+    cfg = pycomm.DDPConfig()
+    assert dist.get_backend(gradient_group(dist.group.WORLD, cfg, torch.device("cpu"))) == \
+        "pycomm"
+    # CUDA gradients on a Gloo group stay on Gloo: the shared-memory backend reduces host
+    # memory only (tests/gpu/test_ddp_on_cuda.py trains such a module).
+    assert gradient_group(dist.group.WORLD, cfg, torch.device("cuda", 0)) is dist.group.WORLD
+
+
+def test_only_host_memory_gradients_take_the_shared_memory_group():
+    run_ranks(_group_by_device, world_size=2, backend="gloo")
