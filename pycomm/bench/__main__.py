@@ -18,15 +18,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line `argv` (without the program name) as the subcommand's namespace;
+    exits 2 with a one-line error on bad input."""
     if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
         argv = ["collectives", *argv]
     parser = _Parser(prog="pycomm-bench", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     for name, mod in _COMMANDS.items():
         mod.add_arguments(sub.add_parser(name, help=mod.__doc__.splitlines()[0]))
-    ns = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parse(sys.argv[1:] if argv is None else argv)
     return _COMMANDS[ns.command].main(ns)
 
 
