@@ -115,19 +115,31 @@ def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
           clip: Optional[Callable[[], object]] = None) -> tuple[float, ...]:
-    """(wall, backward wall, process CPU) seconds of one training step; `clip` runs
-    between backward and the optimizer."""
+    """(wall, backward, process CPU) seconds of one training step; `clip` runs between
+    backward and the optimizer. On CUDA the step starts and ends with the device idle
+    (synchronized), and backward is the device's time between events around the call."""
+    on_gpu = x.is_cuda
+    if on_gpu:
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
     cpu = time.process_time()
     start = time.perf_counter()
     opt.zero_grad()
     loss = model(x).float().square().mean()
     bwd = time.perf_counter()
+    if on_gpu:
+        events[0].record()
     loss.backward()
     bwd_end = time.perf_counter()
+    if on_gpu:
+        events[1].record()
     if clip is not None:
         clip()
     opt.step()
-    return time.perf_counter() - start, bwd_end - bwd, time.process_time() - cpu
+    if on_gpu:
+        torch.cuda.synchronize()
+    backward = events[0].elapsed_time(events[1]) / 1e3 if on_gpu else bwd_end - bwd
+    return time.perf_counter() - start, backward, time.process_time() - cpu
 
 
 def _clipper(ddp: nn.Module, max_norm: float, no_sync: bool) -> Optional[Callable[[], object]]:
@@ -174,19 +186,22 @@ def _overlaps(ddp: nn.Module, steps: int) -> list[float]:
     """pycomm's overlap of the last `steps` synchronized steps, the least of the ranks'."""
     if not isinstance(ddp, PycommDDP):
         return [float("nan")] * steps
-    t = torch.tensor([r.overlap for r in ddp.step_reports(steps)], dtype=torch.float64)
+    t = torch.tensor([r.overlap for r in ddp.step_reports(steps)], dtype=torch.float64,
+                     device=common.device_of(dist.get_backend()))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return t.tolist()
 
 
 def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
-    t = torch.tensor(samples, dtype=torch.float64)
+    t = torch.tensor(samples, dtype=torch.float64, device=common.device_of(dist.get_backend()))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [tuple(r) for r in t.tolist()]
 
 
 def run_model(cfg: Config, name: str) -> list[Result]:
     module, x = build_model(name, cfg.samples)
+    device = common.device_of(dist.get_backend())  # the rank's GPU under NCCL
+    module, x = module.to(device), x.to(device)
     variants = cfg.variants()
     runs = {}
     for variant in variants:
