@@ -20,17 +20,18 @@ from tests.support.multirank import run_ranks
 MICRO = 8  # micro-steps per optimizer step: 7 under no_sync, then the synchronized one
 
 
-def _micro_input(rank: int, step: int, micro: int, dtype: torch.dtype) -> torch.Tensor:
-    return make_input("mlp", rank, 100 * step + micro, batch=16).to(dtype)
+def _micro_input(rank: int, step: int, micro: int, dtype: torch.dtype,
+                 device: str = "cpu") -> torch.Tensor:
+    return make_input("mlp", rank, 100 * step + micro, batch=16).to(device, dtype)
 
 
-def _oracle(base, rank, world, step, dtype):
+def _oracle(base, rank, world, step, dtype, device="cpu"):
     """fp32 sum of the micro-steps' low-precision gradients, times 1/world, all-reduced."""
     model = copy.deepcopy(base)
     sums = [torch.zeros_like(p, dtype=torch.float32) for p in model.parameters()]
     for micro in range(MICRO):
         model.zero_grad(set_to_none=True)
-        loss_of(model(_micro_input(rank, step, micro, dtype))).backward()
+        loss_of(model(_micro_input(rank, step, micro, dtype, device))).backward()
         for s, p in zip(sums, model.parameters()):
             s += p.grad.float()
     for s in sums:
@@ -39,42 +40,42 @@ def _oracle(base, rank, world, step, dtype):
     return sums
 
 
-def _accumulate(ddp, rank, step, dtype, rebuild_midway=False):
+def _accumulate(ddp, rank, step, dtype, rebuild_midway=False, device="cpu"):
     ddp.zero_grad(set_to_none=True)  # the last step handed back param.grad (default mode)
     for micro in range(MICRO - 1):
         with ddp.no_sync():
-            loss_of(ddp(_micro_input(rank, step, micro, dtype))).backward()
+            loss_of(ddp(_micro_input(rank, step, micro, dtype, device))).backward()
         for p in ddp.module.parameters():
             assert p.grad is None, "a micro-step's low-precision grad was kept"
         if rebuild_midway and micro == 2:  # a rebuild must carry the pending fp32 sums
             ddp.reducer.rebuild_buckets([list(b) for b in reversed(ddp.reducer.bucket_indices())])
             ddp._set_main_grads()
-    loss_of(ddp(_micro_input(rank, step, MICRO - 1, dtype))).backward()
+    loss_of(ddp(_micro_input(rank, step, MICRO - 1, dtype, device))).backward()
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want).norm() / want.norm()).item()
 
 
-def _bf16_accumulation_error(base, rank, step, want, dtype) -> float:
+def _bf16_accumulation_error(base, rank, step, want, dtype, device="cpu") -> float:
     """torch's DDP on the low-precision model: no_sync sums in the parameter's dtype."""
     ref = TorchDDP(copy.deepcopy(base))
     for micro in range(MICRO - 1):
         with ref.no_sync():
-            loss_of(ref(_micro_input(rank, step, micro, dtype))).backward()
-    loss_of(ref(_micro_input(rank, step, MICRO - 1, dtype))).backward()
+            loss_of(ref(_micro_input(rank, step, micro, dtype, device))).backward()
+    loss_of(ref(_micro_input(rank, step, MICRO - 1, dtype, device))).backward()
     return max(_rel_err(p.grad, w) for p, w in zip(ref.module.parameters(), want))
 
 
-def _check(rank, world_size, dtype, main_grad_only, exact):
-    base = build("mlp").to(dtype)
+def _check(rank, world_size, dtype, main_grad_only, exact, device="cpu"):
+    base = build("mlp").to(device, dtype)
     cfg = pycomm.DDPConfig(grad_reduce_dtype=torch.float32, bucket_cap_mb=1e-3,
                            main_grad_only=main_grad_only)
     ddp = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
     what = f"{dtype} main_grad_only={main_grad_only} world={world_size}"
     for step in range(2):  # step 1 runs on the buckets rebuilt after step 0
-        want = _oracle(base, rank, world_size, step, dtype)
-        _accumulate(ddp, rank, step, dtype, rebuild_midway=step == 1)
+        want = _oracle(base, rank, world_size, step, dtype, device)
+        _accumulate(ddp, rank, step, dtype, rebuild_midway=step == 1, device=device)
         for (name, p), w in zip(ddp.module.named_parameters(), want):
             if exact:  # same adds in the same order, 2-term sums: bitwise
                 assert torch.equal(p.main_grad, w), f"{what}: main_grad of {name} step {step} " \
@@ -89,7 +90,7 @@ def _check(rank, world_size, dtype, main_grad_only, exact):
                 torch.testing.assert_close(p.grad, w.to(dtype), rtol=0 if exact else 1e-2,
                                            atol=0)
     ours = max(_rel_err(p.main_grad, w) for p, w in zip(ddp.module.parameters(), want))
-    theirs = _bf16_accumulation_error(base, rank, 1, want, dtype)
+    theirs = _bf16_accumulation_error(base, rank, 1, want, dtype, device)
     # fp32 accumulation sits at fp32 noise (0 with 2 ranks); low-precision accumulation of
     # 8 micro-steps loses ~3e-3 (bf16) or ~4e-4 (fp16) of a gradient's norm (measured).
     assert ours < 1e-6, f"{what}: fp32 accumulation error {ours}"

@@ -17,22 +17,22 @@ from tests.support.multirank import run_ranks
 MAX_NORM = 1e-4
 
 
-def _step(ddp, opt, model, rank, step, no_sync_every, clip):
+def _step(ddp, opt, model, rank, step, no_sync_every, clip, device):
     opt.zero_grad(set_to_none=True)
     for micro in range(no_sync_every):
         with ddp.no_sync():
-            loss_of(ddp(make_input(model, rank, 100 * step + micro + 1))).backward()
-    loss_of(ddp(make_input(model, rank, 100 * step))).backward()
+            loss_of(ddp(make_input(model, rank, 100 * step + micro + 1).to(device))).backward()
+    loss_of(ddp(make_input(model, rank, 100 * step).to(device))).backward()
     total = clip(ddp)
     opt.step()
     return total
 
 
 def _lockstep_clip(rank, model="mlp", no_sync_every=0, hook=None, norm_type=2.0, steps=3,
-                   **ddp_kwargs):
+                   device="cpu", **ddp_kwargs):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    base = build(model)
+    base = build(model).to(device)
     ref = TorchDDP(copy.deepcopy(base), **ddp_kwargs)
     ours = pycomm.DistributedDataParallel(copy.deepcopy(base), **ddp_kwargs)
     if hook:
@@ -43,7 +43,7 @@ def _lockstep_clip(rank, model="mlp", no_sync_every=0, hook=None, norm_type=2.0,
     for step in range(steps):
         t_ref = _step(ref, opts[0], model, rank, step, no_sync_every,
                       lambda d: torch.nn.utils.clip_grad_norm_(d.parameters(), MAX_NORM,
-                                                               norm_type))
+                                                               norm_type), device)
 
         def clip_ours(d, step=step):
             if step > 0:  # attached at step 0: from then on the partials come from backward
@@ -51,7 +51,7 @@ def _lockstep_clip(rank, model="mlp", no_sync_every=0, hook=None, norm_type=2.0,
                 used_buckets.append(d._bucket_norms[1].complete(n, norm_type))
             return d.clip_grad_norm_(MAX_NORM, norm_type)
 
-        t_ours = _step(ours, opts[1], model, rank, step, no_sync_every, clip_ours)
+        t_ours = _step(ours, opts[1], model, rank, step, no_sync_every, clip_ours, device)
         what = f"step {step} {model} hook={hook} no_sync_every={no_sync_every} p={norm_type}"
         assert t_ref.item() > MAX_NORM, f"{what}: clipping must be active"
         # Same averaged gradients (bitwise for 2 ranks); the norm is summed per bucket

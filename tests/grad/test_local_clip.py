@@ -41,10 +41,10 @@ def _average(module, world, hook):
             dist.all_reduce(g)
 
 
-def _lockstep(rank, world, no_sync_every=0, hook=None, norm_type=2.0):
+def _lockstep(rank, world, no_sync_every=0, hook=None, norm_type=2.0, device="cpu"):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    base = build("mlp")
+    base = build("mlp").to(device)
     ref = TorchDDP(copy.deepcopy(base))  # only ever under no_sync: local gradients
     cfg = pycomm.DDPConfig(bucket_cap_mb=1e-3, local_clip_max_norm=MAX_NORM,
                            local_clip_norm_type=norm_type)
@@ -57,7 +57,7 @@ def _lockstep(rank, world, no_sync_every=0, hook=None, norm_type=2.0):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         for micro in range(no_sync_every + 1):
-            x = make_input("mlp", rank, 100 * step + micro)
+            x = make_input("mlp", rank, 100 * step + micro).to(device)
             with ref.no_sync():
                 loss_of(ref(x)).backward()
             if micro < no_sync_every:

@@ -201,11 +201,11 @@ class ManualDDP(nn.Module):
 
 def lockstep(rank: int, model: str, steps: int = 3, exact: bool = True,
              hook: Callable[[], tuple] | None = None, no_sync_every: int = 0,
-             zero_to_none: bool = True, manual: bool = False,
+             zero_to_none: bool = True, manual: bool = False, device: str = "cpu",
              **ddp_kwargs: Any) -> pycomm.DistributedDataParallel:
     """Train torch's DDP (or, with `manual`, a plain module averaged by hand) and pycomm's
-    on identical data; compare after every step."""
-    base = build(model)
+    on identical data, on `device`; compare after every step."""
+    base = build(model).to(device)
     ref = (ManualDDP if manual else TorchDDP)(copy.deepcopy(base), **ddp_kwargs)
     # The reducer against torch's on the same transport (Gloo): the shared-memory backend
     # adds 3+ terms in rank order, not Gloo's ring order (tests/shm/test_ddp_gradients.py
@@ -224,8 +224,9 @@ def lockstep(rank: int, model: str, steps: int = 3, exact: bool = True,
             opt.zero_grad(set_to_none=zero_to_none)
             for micro in range(no_sync_every):
                 with ddp.no_sync():
-                    loss_of(ddp(make_input(model, rank, 100 * step + micro + 1))).backward()
-            loss_of(ddp(make_input(model, rank, 100 * step))).backward()
+                    x = make_input(model, rank, 100 * step + micro + 1).to(device)
+                    loss_of(ddp(x)).backward()
+            loss_of(ddp(make_input(model, rank, 100 * step).to(device))).backward()
             if isinstance(ddp, ManualDDP):
                 manual_average(ddp.module)
         assert_same(ref, ours, f"{what} step {step}", exact)
