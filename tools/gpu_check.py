@@ -1,0 +1,265 @@
+"""The GPU machine in one command: build pycomm's CUDA extension against the torch there,
+run the GPU tests, run the GPU benchmarks, and write one record of it all.
+
+    python tools/gpu_check.py                 # everything, record under benchmarks/results/
+    python tools/gpu_check.py --steps tests   # one step (build, tests, bench), comma list
+    python tools/gpu_check.py --dry-run       # the plan and every check short of a device
+
+Steps, each timed, logged and recorded even when an earlier one failed (one run on a
+lent machine should bring back as much as it can):
+  build  PYCOMM_CUDA=1 python setup.py build_ext --inplace, for this GPU's architecture;
+         then pycomm._C.cuda must be True.
+  tests  tests/gpu/ (pycomm's DDP on CUDA against torch's, the fused kernels against torch's
+         foreach, pycomm-bench collectives on NCCL) and the CUDA cases of tests/grad/, with
+         PYCOMM_REQUIRE_CUDA=1 so that a GPU test that would skip fails instead.
+  bench  pycomm-bench clip (against torch's foreach, and as a share of the copy bandwidth),
+         pycomm-bench ddp on a one-GPU NCCL group (torch's DDP and pycomm's side by side),
+         pycomm-bench collectives on NCCL (the size sweep).
+The record: benchmarks/results/gpu_check_<date>_<gpu>.md and .json (device, driver, CUDA,
+torch, NCCL, Python, commit, date, the command; each step's outcome; the benchmarks'
+tables), with each step's log beside it in a folder that is not committed. Where $OUT is
+set (the device machine's return folder) the record and the logs are copied there too.
+
+Exit status: 0 when every step passed; 1 when one failed; 2 when no CUDA device was found
+(with --dry-run: 0 once the plan checked out, saying that no device was found).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "benchmarks" / "results"
+STEPS = ("build", "tests", "bench")
+
+# What each step runs; {py} is this interpreter, {cores} this machine's cores.
+TESTS = [["{py}", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
+         ["{py}", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "cuda",
+          "tests/grad/test_clip.py", "tests/grad/test_ops.py"]]
+# (name, pycomm-bench arguments): the JSON each writes goes to <logs>/<name>.json
+BENCHES = [
+    ("clip_float32", ["clip", "--device", "cuda", "--dtype", "float32"]),
+    ("clip_bfloat16", ["clip", "--device", "cuda", "--dtype", "bfloat16"]),
+    ("ddp_nccl_1gpu", ["ddp", "--nproc", "1", "--backend", "nccl", "--models",
+                       "mlp,transformer", "--impls", "torch,pycomm", "--samples", "256",
+                       "--threads", "4"]),
+    ("collectives_nccl", ["collectives", "all_reduce", "all_gather", "reduce_scatter",
+                          "broadcast", "--nproc", "1", "--backend", "nccl", "-b", "8",
+                          "-e", "1G", "-f", "4", "-d", "float32,bfloat16"]),
+]
+TIMEOUT_S = {"build": 900, "tests": 900, "bench": 300}  # per command
+
+
+def _run(argv: list[str], log: Path, env: dict, timeout: float) -> tuple[int, float, str]:
+    """Run argv from the repository root, output appended to `log`; (rc, seconds, tail)."""
+    start = time.monotonic()
+    with open(log, "a") as f:
+        f.write(f"$ {' '.join(argv)}\n")
+        f.flush()
+        try:
+            proc = subprocess.run(argv, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout)
+            rc, out = proc.returncode, proc.stdout
+        except subprocess.TimeoutExpired as e:
+            rc = 124
+            out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            out += f"\n[gpu_check: killed after {timeout:.0f} s]\n"
+        f.write(out + f"[exit {rc}]\n\n")
+    return rc, time.monotonic() - start, out
+
+
+def _capture(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def environment() -> dict:
+    """What the record says about the machine; `device` is None without a CUDA device."""
+    import torch
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "host": platform.node(), "python": platform.python_version(),
+           "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+           "commit": os.environ.get("PYCOMM_COMMIT") or _capture(
+               ["git", "-C", str(REPO), "rev-parse", "HEAD"]) or "unknown",
+           "nvcc": (re.findall(r"release [\d.]+, V[\d.]+", _capture(["nvcc", "--version"]))
+                    or [""])[0],
+           "driver": _capture(["nvidia-smi", "--query-gpu=driver_version",
+                               "--format=csv,noheader"]).splitlines()[:1],
+           "cpus": os.cpu_count(), "device": None, "devices": 0}
+    if torch.version.cuda is None:
+        env["no_device"] = f"torch {torch.__version__} is a CPU-only build"
+    elif not torch.cuda.is_available():
+        env["no_device"] = (f"torch.cuda.is_available() is False (torch {torch.__version__}, "
+                            f"CUDA {torch.version.cuda}; nvidia-smi: "
+                            f"{_capture(['nvidia-smi', '-L']) or 'not found'})")
+    else:
+        props = torch.cuda.get_device_properties(0)
+        env.update(device=props.name, devices=torch.cuda.device_count(),
+                   capability=f"{props.major}.{props.minor}",
+                   memory_gib=round(props.total_memory / 2**30, 1),
+                   multiprocessors=props.multi_processor_count,
+                   nccl=".".join(map(str, torch.cuda.nccl.version())),
+                   cudnn=torch.backends.cudnn.version())
+    return env
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+
+
+def step_build(env: dict, logs: Path, run_env: dict) -> dict:
+    build_env = dict(run_env, PYCOMM_CUDA="1", MAX_JOBS=str(env["cpus"] or 4),
+                     TORCH_CUDA_ARCH_LIST=run_env.get("TORCH_CUDA_ARCH_LIST",
+                                                      env["capability"]))
+    rc, secs, _ = _run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                       logs / "build.log", build_env, TIMEOUT_S["build"])
+    if rc == 0:
+        rc, more, out = _run([sys.executable, "-c", "import pycomm; print('pycomm._C.cuda', "
+                              "pycomm._C.cuda); assert pycomm._C.cuda"],
+                             logs / "build.log", run_env, 120)
+        secs += more
+    return {"ok": rc == 0, "seconds": round(secs, 1),
+            "arch": build_env["TORCH_CUDA_ARCH_LIST"]}
+
+
+def _pytest_counts(out: str) -> dict:
+    last = [ln for ln in out.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    counts = {k: int(n) for n, k in re.findall(
+        r"(\d+) (passed|failed|skipped|errors?|deselected)", last[-1] if last else "")}
+    counts["failures"] = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
+    return counts
+
+
+def step_tests(env: dict, logs: Path, run_env: dict) -> dict:
+    result = {"ok": True, "seconds": 0.0, "runs": []}
+    for argv in TESTS:
+        argv = [a.format(py=sys.executable) for a in argv]
+        rc, secs, out = _run(argv, logs / "tests.log", dict(run_env, PYCOMM_REQUIRE_CUDA="1"),
+                             TIMEOUT_S["tests"])
+        result["runs"].append({"command": " ".join(argv[1:]), "rc": rc, **_pytest_counts(out)})
+        result["ok"] &= rc == 0
+        result["seconds"] = round(result["seconds"] + secs, 1)
+    return result
+
+
+def step_bench(env: dict, logs: Path, run_env: dict) -> dict:
+    result = {"ok": True, "seconds": 0.0, "runs": []}
+    for name, args in BENCHES:
+        out_json = logs / f"{name}.json"
+        argv = [sys.executable, "-m", "pycomm.bench", *args, "--json", str(out_json)]
+        rc, secs, out = _run(argv, logs / "bench.log", run_env, TIMEOUT_S["bench"])
+        data = json.loads(out_json.read_text()) if rc == 0 and out_json.exists() else None
+        result["runs"].append({"name": name, "command": "pycomm-bench " + " ".join(args),
+                               "rc": rc, "seconds": round(secs, 1),
+                               "table": out.strip()[-6000:], "json": data})
+        result["ok"] &= rc == 0
+        result["seconds"] = round(result["seconds"] + secs, 1)
+    return result
+
+
+def markdown(record: dict) -> str:
+    env = record["environment"]
+    lines = [f"# GPU check, {env['date'][:10]}: {env.get('device') or 'no device'}", "",
+             f"Command: `{record['command']}`", "", "| | |", "|---|---|"]
+    for key in ("date", "device", "devices", "capability", "memory_gib", "multiprocessors",
+                "driver", "torch", "torch_cuda", "nccl", "cudnn", "nvcc", "python", "cpus",
+                "commit", "host"):
+        if key in env:
+            lines.append(f"| {key} | {env[key]} |")
+    for name, step in record["steps"].items():
+        lines += ["", f"## {name}: {'passed' if step['ok'] else 'FAILED'} "
+                      f"({step['seconds']} s)", ""]
+        for run in step.get("runs", []):
+            if name == "tests":
+                lines.append(f"- `{run['command']}`: exit {run['rc']}, " + ", ".join(
+                    f"{v} {k}" for k, v in run.items()
+                    if k not in ("command", "rc", "failures")))
+                lines += [f"  - {f}" for f in run["failures"]]
+            else:
+                lines += [f"### `{run['command']}` (exit {run['rc']}, {run['seconds']} s)", "",
+                          "```", run["table"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def dry_run(env: dict) -> int:
+    from pycomm.bench.__main__ import parse
+
+    print(f"gpu_check: plan for {env['device'] or 'a CUDA device'}:")
+    print("  build: PYCOMM_CUDA=1 TORCH_CUDA_ARCH_LIST=<the device's> "
+          f"{sys.executable} setup.py build_ext --inplace")
+    for argv in TESTS:
+        print("  tests: PYCOMM_REQUIRE_CUDA=1 python " + " ".join(argv[1:]))
+    for name, args in BENCHES:
+        parse(args)  # exits 2 naming the argument if a command line went stale
+        print(f"  bench: pycomm-bench {' '.join(args)} --json <logs>/{name}.json")
+    here = _capture([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                     "tests/gpu"]).splitlines() or ["(pytest printed nothing)"]
+    print("  tests/gpu here: " + "; ".join(ln for ln in here if ln.startswith("SKIPPED"))
+          + " -> " + here[-1])
+    if env["device"] is None:
+        print(f"gpu_check: dry run: no CUDA device found ({env['no_device']}); the plan "
+              f"checked out, nothing was built or run on a GPU")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.splitlines()[0])
+    p.add_argument("--steps", default=",".join(STEPS), help="comma list of build,tests,bench")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan and check it, run nothing on a GPU")
+    p.add_argument("--record", default=str(RESULTS),
+                   help="folder for the record (default benchmarks/results)")
+    ns = p.parse_args(argv)
+    steps = [s.strip() for s in ns.steps.split(",") if s.strip()]
+    bad = sorted(set(steps) - set(STEPS))
+    if bad:
+        p.error(f"--steps: unknown {bad}; choose from {','.join(STEPS)}")
+    env = environment()
+    if ns.dry_run:
+        return dry_run(env)
+    if env["device"] is None:
+        print(f"gpu_check: no CUDA device found: {env['no_device']}. Nothing was built or "
+              f"run; on the GPU machine run `python tools/gpu_check.py` (CONTRIBUTING.md, "
+              f"The GPU machine).", file=sys.stderr)
+        return 2
+    stem = f"gpu_check_{env['date'][:10]}_{_slug(env['device'])}"
+    record_dir = Path(ns.record)
+    logs = record_dir / f"{stem}.logs"
+    shutil.rmtree(logs, ignore_errors=True)
+    logs.mkdir(parents=True)
+    run_env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO)] + [x for x in [os.environ.get("PYTHONPATH")] if x]),
+        PYTHONUNBUFFERED="1")
+    record = {"command": " ".join([Path(sys.executable).name, "tools/gpu_check.py",
+                                   *(argv if argv is not None else sys.argv[1:])]),
+              "environment": env, "steps": {}}
+    for name in steps:
+        print(f"gpu_check: {name} ...", flush=True)
+        record["steps"][name] = globals()[f"step_{name}"](env, logs, run_env)
+        print(f"gpu_check: {name} {'passed' if record['steps'][name]['ok'] else 'FAILED'} "
+              f"({record['steps'][name]['seconds']} s)", flush=True)
+    (record_dir / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (record_dir / f"{stem}.md").write_text(markdown(record))
+    out = os.environ.get("OUT")
+    if out:
+        for f in [record_dir / f"{stem}.json", record_dir / f"{stem}.md", *logs.glob("*.log")]:
+            shutil.copy(f, out)
+    print(markdown(record))
+    return 0 if all(s["ok"] for s in record["steps"].values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
