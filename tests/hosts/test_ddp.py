@@ -50,7 +50,8 @@ def _ddp_against_torch(rank, world_size, steps=3):
     base = build("mlp")
     ref = TorchDDP(copy.deepcopy(base))
     # The flat path (hierarchical_allreduce=False): with several ranks per host the
-    # default is the hierarchical all-reduce, tested in tests/hosts/test_hierarchical.py.
+    # default is the hierarchical all-reduce, tested in
+    # tests/hosts/test_hierarchical_across_hosts.py.
     ours = pycomm.DistributedDataParallel(
         copy.deepcopy(base), config=pycomm.DDPConfig(hierarchical_allreduce=False))
     # Both all-reduce one bucket of the same size with Gloo's same algorithm on the same

@@ -70,7 +70,7 @@ def test_missing_rank_times_out_naming_it():
 
 def _two_hosts(rank, world):
     # Ranks on two hosts make a hierarchical group, not a shared-memory one (hosts holding
-    # different numbers of ranks are refused: tests/shm/test_hierarchical.py).
+    # different numbers of ranks are refused: tests/shm/test_hierarchical_on_one_host.py).
     if rank == 1:
         pycomm.shm.host_identity = lambda: "elsewhere/boot"
     group = dist.new_group(backend="pycomm")

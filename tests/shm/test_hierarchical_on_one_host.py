@@ -1,6 +1,7 @@
 """The hierarchical "pycomm" group (csrc/shm/hier.h) on one machine, its ranks told apart
 as "hosts" by their host identity (what pycomm.shm reads to decide which ranks share
-memory). The same code across real network namespaces: tests/hosts/test_hierarchical.py."""
+memory). The same code across real network namespaces:
+tests/hosts/test_hierarchical_across_hosts.py."""
 
 from __future__ import annotations
 
