@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from tests.support import cuda
+from tests.support import gpu
 
-cuda.require()
+gpu.require()
 
 from pycomm.bench.report import Report  # noqa: E402
 

@@ -22,9 +22,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.support import cuda
+from tests.support import gpu
 
-cuda.require()
+gpu.require()
 
 import pycomm  # noqa: E402
 from tests.ddp import test_main_grad as main_grad  # noqa: E402

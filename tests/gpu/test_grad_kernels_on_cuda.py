@@ -12,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support import cuda
+from tests.support import gpu
 
-cuda.require()
+gpu.require()
 
 import pycomm  # noqa: E402
 from pycomm.bench.clip import gpt2_small_shapes  # noqa: E402

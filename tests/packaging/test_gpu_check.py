@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.support import cuda
+from tests.support import gpu
 from tests.support.paths import REPO
 
 _TOOL = REPO / "tools" / "gpu_check.py"
@@ -29,7 +29,7 @@ def _run(*argv):
                           timeout=120, cwd=REPO)
 
 
-@pytest.mark.skipif(cuda.missing() is None, reason="a CUDA device is here: not a dry run")
+@pytest.mark.skipif(gpu.missing() is None, reason="a CUDA device is here: not a dry run")
 def test_without_a_device_the_dry_run_checks_the_plan_and_says_so(tmp_path):
     proc = _run("--dry-run")
     assert proc.returncode == 0, proc.stdout + proc.stderr
