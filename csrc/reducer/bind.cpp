@@ -71,6 +71,28 @@ py::list zeros_like_grad_buckets(const Reducer& r) {
   return out;
 }
 
+// The reducer's options read from a DDPConfig by field name (See Note [Reducer options]).
+reducer::ReducerOptions options_from(const py::handle& config) {
+  reducer::ReducerOptions o;
+#define PYCOMM_READ_OPTION(type, name)                                                     \
+  if (!py::hasattr(config, #name)) {                                                       \
+    throw py::attribute_error("Reducer: the config has no field '" #name                   \
+                              "' (See Note [Reducer options] in csrc/reducer/reducer.h)"); \
+  }                                                                                        \
+  o.name = config.attr(#name).cast<type>();
+  PYCOMM_REDUCER_OPTIONS(PYCOMM_READ_OPTION)
+#undef PYCOMM_READ_OPTION
+  return o;
+}
+
+py::tuple option_names() {
+  py::list names;
+#define PYCOMM_OPTION_NAME(type, name) names.append(#name);
+  PYCOMM_REDUCER_OPTIONS(PYCOMM_OPTION_NAME)
+#undef PYCOMM_OPTION_NAME
+  return py::tuple(names);
+}
+
 // Python drops its last reference to a Reducer with the GIL held; ~Reducer may wait on
 // launched collectives whose completion runs Python (a comm hook's future callbacks), so
 // the GIL is released around the delete, else that wait deadlocks.
@@ -94,6 +116,7 @@ void bind_reducer(py::module& m) {
         "The reducer's gradient copy with non-temporal stores (Note [Streaming copies]): "
         "dst = src (* float(scale)); False, touching nothing, where it does not apply.");
   m.attr("_STREAM_COPY_MIN_BYTES") = reducer::kStreamCopyMinBytes;
+  m.attr("REDUCER_OPTIONS") = option_names();
   m.def("assign_buckets", &reducer::assign_buckets, py::arg("params"), py::arg("order"),
         py::arg("byte_limits"), py::arg("groups") = std::vector<int64_t>{},
         "Greedy bucket assignment of params (in `order`) per (device, dtype), keeping "
@@ -102,29 +125,12 @@ void bind_reducer(py::module& m) {
                                      "pycomm's C++ bucketed gradient reducer (see reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
                        const std::vector<std::vector<size_t>>& assignment,
-                       const comm::ProcessGroupPtr& pg, bool as_view, bool find_unused,
-                       bool static_graph, bool record_timeline, int64_t timeline_steps,
-                       std::optional<at::ScalarType> reduce_dtype, bool skip_unused,
-                       bool batched_grad_copy, bool inline_collectives, bool main_grad_only,
-                       bool streaming_copies, bool in_place_reduction) {
-             reducer::ReducerOptions o{as_view,         find_unused,    static_graph,
-                                       record_timeline, timeline_steps, reduce_dtype};
-             o.skip_all_reduce_unused = skip_unused;
-             o.batched_grad_copy = batched_grad_copy;
-             o.inline_collectives = inline_collectives;
-             o.main_grad_only = main_grad_only;
-             o.streaming_copies = streaming_copies;
-             o.in_place_reduction = in_place_reduction;
+                       const comm::ProcessGroupPtr& pg, const py::object& config) {
              return ReducerHolder(new Reducer(std::move(params), std::move(names), assignment, pg,
-                                              o));
+                                              options_from(config)));
            }),
            py::arg("params"), py::arg("names"), py::arg("assignment"), py::arg("process_group"),
-           py::arg("gradient_as_bucket_view") = false, py::arg("find_unused_parameters") = false,
-           py::arg("static_graph") = false, py::arg("record_timeline") = true,
-           py::arg("timeline_steps") = 64, py::arg("reduce_dtype") = std::nullopt,
-           py::arg("skip_all_reduce_unused_params") = false, py::arg("batched_grad_copy") = false,
-           py::arg("inline_collectives") = false, py::arg("main_grad_only") = false,
-           py::arg("streaming_copies") = true, py::arg("in_place_reduction") = true)
+           py::arg("config"))
       .def("prepare_for_backward", &Reducer::prepare_for_backward, py::arg("outputs"),
            py::call_guard<py::gil_scoped_release>())
       .def("prepare_no_sync", &Reducer::prepare_no_sync, py::call_guard<py::gil_scoped_release>())

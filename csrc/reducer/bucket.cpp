@@ -102,7 +102,7 @@ at::Tensor view_for(const at::Tensor& buffer, const at::Tensor& param, int64_t o
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
     const std::vector<std::vector<size_t>>& assignment,
-    std::optional<at::ScalarType> reduce_dtype) {
+    std::optional<at::ScalarType> grad_reduce_dtype) {
   std::vector<std::unique_ptr<Bucket>> buckets;
   std::vector<bool> placed(params.size(), false);
   for (size_t bi = 0; bi < assignment.size(); ++bi) {
@@ -127,9 +127,9 @@ std::vector<std::unique_ptr<Bucket>> build_buckets(
       total += p.numel();
     }
     // Only low-precision floating buckets are widened (bf16/fp16 grads reduced in fp32).
-    const bool widen = reduce_dtype && at::isReducedFloatingType(first.scalar_type());
+    const bool widen = grad_reduce_dtype && at::isReducedFloatingType(first.scalar_type());
     bucket->buffer = at::zeros({total},
-                               first.options().dtype(widen ? *reduce_dtype : first.scalar_type()));
+                               first.options().dtype(widen ? *grad_reduce_dtype : first.scalar_type()));
     for (size_t slot = 0; slot < members.size(); ++slot) {
       bucket->views.push_back(view_for(bucket->buffer, params[members[slot]],
                                        static_cast<int64_t>(bucket->offsets[slot])));

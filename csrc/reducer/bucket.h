@@ -14,10 +14,6 @@
 
 namespace pycomm::reducer {
 
-// torch's DDP starts with a 1 MiB first bucket so that communication begins early.
-constexpr int64_t kDefaultFirstBucketBytes = int64_t{1} << 20;
-constexpr int64_t kDefaultBucketBytes = int64_t{25} << 20;
-
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 // One flat, contiguous buffer holding the gradients of `params` (reducer parameter
@@ -33,7 +29,7 @@ struct Bucket {
 
   // Per-step state, reset by Reducer::reset_step.
   size_t pending = 0;           // gradients still to land
-  size_t unused = 0;            // parameters unused this step (skip_all_reduce_unused)
+  size_t unused = 0;            // parameters unused this step (skip_all_reduce_unused_params)
   bool skipped = false;         // not reduced this step (all its parameters unused)
   std::vector<size_t> deferred;  // slots whose copy waits for the bucket (batched copy)
   // Reduced where the gradients are, not through `buffer` (See Note [Gradients reduced in
@@ -65,9 +61,9 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
                                                 const std::vector<int64_t>& groups = {});
 
 // Allocate the buffers of `assignment`. A bucket's dtype is the parameters' dtype, or
-// `reduce_dtype` when given (fp32 reduction of low-precision parameters).
+// `grad_reduce_dtype` when given (fp32 reduction of low-precision parameters).
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> reduce_dtype);
+    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> grad_reduce_dtype);
 
 }  // namespace pycomm::reducer

@@ -20,7 +20,7 @@ namespace pycomm::reducer {
 // when nothing else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
 // is the bucket there), a comm hook, a bucket callback that reads the buffer, a launch
 // gate, batched_grad_copy, find_unused_parameters or static_graph (an unused parameter's
-// slot is zeros that param.grad does not have), reduce_dtype (the wide copy is the bucket),
+// slot is zeros that param.grad does not have), grad_reduce_dtype (the wide copy is the bucket),
 // nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient
 // must be a defined, dense CPU tensor of the bucket's dtype (float32 or float64) without
 // autograd history (create_graph), laid out in memory as its bucket slot is (the same
@@ -47,8 +47,8 @@ bool Reducer::in_place_allowed() const {
   const ReducerOptions& o = options_;
   return o.in_place_reduction && hook_->reduces_in_place() && !gate_ && pre_launch_.empty() &&
          !post_done_reads_buffer_ && !o.gradient_as_bucket_view && !o.batched_grad_copy &&
-         !o.find_unused_parameters && !o.static_graph && !o.reduce_dtype.has_value() &&
-         !o.skip_all_reduce_unused;
+         !o.find_unused_parameters && !o.static_graph && !o.grad_reduce_dtype.has_value() &&
+         !o.skip_all_reduce_unused_params;
 }
 
 bool Reducer::grads_share_memory() const {

@@ -118,7 +118,7 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
     return;
   }
   if (view.scalar_type() != grad.scalar_type()) {
-    // reduce_dtype: widen first so the scaling rounds in the wide type.
+    // grad_reduce_dtype: widen first so the scaling rounds in the wide type.
     view.copy_(grad);
     if (divide) view.mul_(scale_);
     return;
@@ -154,7 +154,7 @@ void Reducer::launch_ready_buckets() {
 }
 
 bool Reducer::skips(const Bucket& bucket) const {
-  return options_.skip_all_reduce_unused && bucket.unused == bucket.params.size();
+  return options_.skip_all_reduce_unused_params && bucket.unused == bucket.params.size();
 }
 
 // batched_grad_copy: the bucket's deferred copies in one _foreach_copy_, then one division
@@ -196,7 +196,7 @@ void Reducer::flush_batched(Bucket& bucket) {
 //            comm thread          [ar b0 ~~~ stalls ~~~ ar b1 ~~~~~~ ar b2]
 //   inline:  backward [b0 grads][ar b0][b1 grads][ar b1][b2 grads][ar b2] finalize
 void Reducer::launch(Bucket& bucket) {
-  if (skips(bucket)) {  // see ReducerOptions::skip_all_reduce_unused: no communication
+  if (skips(bucket)) {  // see ReducerOptions::skip_all_reduce_unused_params: no communication
     bucket.skipped = true;
     bucket.launch_ns = bucket.ready_ns;
     bucket.done_ns.store(bucket.ready_ns);

@@ -1,9 +1,9 @@
-// fp32 gradient accumulation for low-precision parameters (reduce_dtype): each gradient is
+// fp32 gradient accumulation for low-precision parameters (grad_reduce_dtype): each gradient is
 // added into its parameter's wide bucket view (param.main_grad) the moment autograd hands
 // it over, inside no_sync or not, and the low-precision param.grad is freed.
 //
 // Note [main_grad accumulation]
-// With reduce_dtype, a bf16/fp16 parameter's bucket view is its fp32 main gradient. The
+// With grad_reduce_dtype, a bf16/fp16 parameter's bucket view is its fp32 main gradient. The
 // grad-ready hook moves every gradient into it: the first since the last reduction is
 // copied (widened), later ones are added with the fused accumulate kernel (acc += grad in
 // fp32), and param.grad is set to None, so autograd starts the next micro-step from

@@ -112,7 +112,7 @@ void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(state_ != State::kBackward, "cannot rebuild buckets during backward");
   auto sums = save_accumulated();
-  buckets_ = build_buckets(params_, names_, assignment, options_.reduce_dtype);
+  buckets_ = build_buckets(params_, names_, assignment, options_.grad_reduce_dtype);
   locator_.assign(params_.size(), {0, 0});
   for (auto& bucket : buckets_) {
     for (size_t slot = 0; slot < bucket->params.size(); ++slot) {

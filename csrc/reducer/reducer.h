@@ -29,33 +29,45 @@ namespace pycomm::reducer {
 using AccumulatorPtr =
     decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
+// Note [Reducer options]
+// The reducer's options are DDPConfig's fields of the same names (pycomm/config.py, which
+// documents each and owns every default); the binding reads them from the DDPConfig by
+// name (options_from in bind.cpp), never by position, and exposes the list as
+// _C.REDUCER_OPTIONS, which tests/ddp/test_config.py holds against DDPConfig's fields. A
+// new reducer option is one field in config.py, one line here and its use.
+//   X(type, DDPConfig field name)
+#define PYCOMM_REDUCER_OPTIONS(X)                     \
+  X(bool, gradient_as_bucket_view)                    \
+  X(bool, find_unused_parameters)                     \
+  X(bool, static_graph)                               \
+  X(bool, record_timeline)                            \
+  X(int64_t, timeline_steps)                          \
+  X(std::optional<at::ScalarType>, grad_reduce_dtype) \
+  X(bool, skip_all_reduce_unused_params)              \
+  X(bool, batched_grad_copy)                          \
+  X(bool, inline_collectives)                         \
+  X(bool, streaming_copies)                           \
+  X(bool, in_place_reduction)                         \
+  X(bool, main_grad_only)
+
+// What each means inside the reducer, where it is not plain from DDPConfig's text:
+// - skip_all_reduce_unused_params: a bucket whose parameters are all unused on this rank
+//   this step is not reduced and its grads are left untouched; the unused set must be the
+//   same on every rank (as torch requires), else the collectives mismatch.
+// - batched_grad_copy: grads land in their bucket unscaled, copied all at once (one
+//   _foreach_copy_) when the bucket is complete, then one division of the whole bucket by
+//   the world size (torch's numerics in that mode: x / n, not x * (1/n)).
+// - inline_collectives: see Note [Inline collectives] in launch.cpp; comm hooks stay
+//   asynchronous.
+// - streaming_copies: copies past kStreamCopyMinBytes with non-temporal stores (See Note
+//   [Streaming copies] in stream_copy.cpp).
+// - in_place_reduction: See Note [Gradients reduced in place] in in_place.cpp.
+// - main_grad_only: with grad_reduce_dtype, param.grad is left None for widened parameters
+//   after the reduction (See Note [main_grad accumulation]).
 struct ReducerOptions {
-  bool gradient_as_bucket_view = false;
-  bool find_unused_parameters = false;
-  bool static_graph = false;
-  bool record_timeline = true;
-  int64_t timeline_steps = 64;
-  std::optional<at::ScalarType> reduce_dtype;
-  // torch's skip_all_reduce_unused_params: a bucket whose parameters are all unused on
-  // this rank this step is not reduced and its grads are left untouched. The unused set
-  // must be the same on every rank (as torch requires), else the collectives mismatch.
-  bool skip_all_reduce_unused = false;
-  // torch's batched_grad_copy: grads land in their bucket unscaled, copied all at once
-  // (one _foreach_copy_) when the bucket is complete, then one division of the whole
-  // bucket by the world size (torch's numerics in that mode: x / n, not x * (1/n)).
-  bool batched_grad_copy = false;
-  // The default all-reduce runs on the backward thread as each bucket launches (see
-  // Note [Inline collectives] in launch.cpp); comm hooks stay asynchronous.
-  bool inline_collectives = false;
-  // Gradient copies past kStreamCopyMinBytes with non-temporal stores (See Note
-  // [Streaming copies] in stream_copy.cpp).
-  bool streaming_copies = true;
-  // Reduce each bucket's gradients where they are when the group allows it (See Note
-  // [Gradients reduced in place] in in_place.cpp); false: always through the bucket.
-  bool in_place_reduction = true;
-  // With reduce_dtype: leave param.grad None for widened parameters after the reduction;
-  // the reduced gradient is their fp32 bucket view only (See Note [main_grad accumulation]).
-  bool main_grad_only = false;
+#define PYCOMM_OPTION_FIELD(type, name) type name{};
+  PYCOMM_REDUCER_OPTIONS(PYCOMM_OPTION_FIELD)
+#undef PYCOMM_OPTION_FIELD
 };
 
 // Extension point: called with a bucket whose gradients are all in, before its collective
@@ -124,7 +136,7 @@ class Reducer {
   const std::vector<std::string>& names() const { return names_; }
   int64_t rank() const { return rank_; }
   const comm::ProcessGroupPtr& process_group() const { return pg_; }
-  // The bucket view holding parameter `index`'s gradient (fp32 with reduce_dtype).
+  // The bucket view holding parameter `index`'s gradient (fp32 with grad_reduce_dtype).
   at::Tensor grad_view(size_t index) const;
 
   // Called by hooks (public for them; not part of the Python API).
@@ -203,28 +215,28 @@ class Reducer {
   std::vector<BucketCallback> post_done_;
   bool post_done_reads_buffer_ = false;
   LaunchGate gate_;
-  std::vector<uint8_t> widened_;      // param's bucket is wider than the param (reduce_dtype)
+  std::vector<uint8_t> widened_;  // param's bucket is wider than the param (grad_reduce_dtype)
   std::vector<uint8_t> accumulated_;  // its bucket view holds an unreduced local sum
 
   mutable std::mutex mutex_;
   State state_ = State::kIdle;
   size_t next_launch_ = 0;
   std::vector<uint8_t> marked_;
-  std::vector<size_t> unused_;         // marked ready (zero) at backward start
-  int64_t last_hooked_ = -1;           // the last parameter a hook marked ready this step
-  bool finalize_queued_ = false;       // finalize_backward is queued on a graph task
+  std::vector<size_t> unused_;  // marked ready (zero) at backward start
+  int64_t last_hooked_ = -1;  // the last parameter a hook marked ready this step
+  bool finalize_queued_ = false;  // finalize_backward is queued on a graph task
   // static_graph: gradient hooks seen per parameter this backward, and how many the first
   // step saw (the parameter is ready at the last of them).
   std::vector<int32_t> hook_counts_;
   std::vector<int32_t> expected_hooks_;
-  at::Tensor scale_;                   // 1 / div_factor_, a wrapped scalar
-  double scale_value_ = 1.0;           // the same, for stream_copy
+  at::Tensor scale_;  // 1 / div_factor_, a wrapped scalar
+  double scale_value_ = 1.0;  // the same, for stream_copy
   int64_t step_ = 0;
 
   // Usage tracking (find_unused_parameters, and the first step of static_graph).
   bool track_used_ = false;
-  at::Tensor local_used_;              // int32 CPU, per parameter; summed across ranks
-  at::Tensor global_used_;             // the summed result of the last reduced step
+  at::Tensor local_used_;  // int32 CPU, per parameter; summed across ranks
+  at::Tensor global_used_;  // the summed result of the last reduced step
   FuturePtr used_future_;
   std::vector<uint8_t> static_unused_;
 
@@ -232,7 +244,7 @@ class Reducer {
   bool rebuilt_ = false;
   bool record_order_ = true;
   std::vector<size_t> order_;
-  std::vector<int64_t> groups_;        // of the recorded step; empty: each parameter alone
+  std::vector<int64_t> groups_;  // of the recorded step; empty: each parameter alone
 
   int64_t backward_start_ns_ = -1;
   std::vector<int64_t> ready_ns_;

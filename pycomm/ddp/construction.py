@@ -118,17 +118,8 @@ def build_reducer(named_params: NamedParams, gradient_pg: dist.ProcessGroup,
     order = list(reversed(range(len(params))))
     assignment = [sorted(b) for b in
                   _C.assign_buckets(params, order, config.bucket_byte_limits())]
-    c = config
-    reducer = TorchReducer(params, names, assignment, gradient_pg,
-                           c.gradient_as_bucket_view, c.find_unused_parameters,
-                           c.static_graph, c.record_timeline, c.timeline_steps,
-                           c.grad_reduce_dtype,
-                           skip_all_reduce_unused_params=c.skip_all_reduce_unused_params,
-                           batched_grad_copy=c.batched_grad_copy,
-                           inline_collectives=c.inline_collectives,
-                           main_grad_only=c.main_grad_only,
-                           streaming_copies=c.streaming_copies,
-                           in_place_reduction=c.in_place_reduction)
+    # the C++ reads its options from the config by name (Note [Reducer options])
+    reducer = TorchReducer(params, names, assignment, gradient_pg, config)
     # Whose address a Gloo error names, where the group spans hosts (the flat group or the
     # hierarchical one's Gloo parts; [] on one host).
     reducer.set_peer_hosts(ranks_by_host(group))
