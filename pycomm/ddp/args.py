@@ -73,16 +73,18 @@ def resolve_group(process_group, device_mesh) -> dist.ProcessGroup:
     return group
 
 
-def check_args(args: dict[str, Any]) -> None:
+def check_args(*, mixed_precision: Any, delay_all_reduce_named_params: Any,
+               param_to_hook_all_reduce: Any, check_reduction: bool) -> None:
+    """Refuse torch's arguments pycomm does not implement, and their inconsistent pairs."""
+    given = {"mixed_precision": mixed_precision}
     for name, (supported, why) in _UNIMPLEMENTED.items():
-        if args[name] is not supported and args[name] != supported:
+        if given[name] is not supported and given[name] != supported:
             raise NotImplementedError(f"pycomm DistributedDataParallel does not implement "
-                                      f"{name}={args[name]!r}: {why}")
-    if (args["delay_all_reduce_named_params"] is None) != (
-            args["param_to_hook_all_reduce"] is None):
+                                      f"{name}={given[name]!r}: {why}")
+    if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
         raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce need to "
                          "be set at the same time.")
-    if args["check_reduction"]:
+    if check_reduction:
         warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                       "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
 
@@ -106,18 +108,23 @@ def buffer_sync(broadcast_buffers: Optional[bool],
     return sync, sync
 
 
-def config_from_args(config: Optional[DDPConfig], args: dict[str, Any]) -> DDPConfig:
-    sync, init_buffers = buffer_sync(args["broadcast_buffers"], args["forward_sync_buffers"])
-    caps = args["bucket_cap_mb_list"]
+def config_from_args(config: Optional[DDPConfig], *, bucket_cap_mb: Optional[float],
+                     bucket_cap_mb_list: Any, find_unused_parameters: bool,
+                     gradient_as_bucket_view: bool, static_graph: bool,
+                     broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool],
+                     init_sync: bool, skip_all_reduce_unused_params: bool,
+                     batched_grad_copy: bool) -> DDPConfig:
+    """The DDPConfig of torch's keyword arguments, or `config` when they are all left at
+    their defaults (both at once is refused, naming the arguments given twice)."""
+    sync, init_buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
     from_args = dict(
-        bucket_cap_mb=args["bucket_cap_mb"],
-        bucket_cap_mb_list=None if caps is None else tuple(caps),
-        find_unused_parameters=args["find_unused_parameters"],
-        gradient_as_bucket_view=args["gradient_as_bucket_view"],
-        static_graph=args["static_graph"], broadcast_buffers=sync, init_sync=args["init_sync"],
-        init_sync_buffers=init_buffers,
-        skip_all_reduce_unused_params=args["skip_all_reduce_unused_params"],
-        batched_grad_copy=args["batched_grad_copy"])
+        bucket_cap_mb=bucket_cap_mb,
+        bucket_cap_mb_list=None if bucket_cap_mb_list is None else tuple(bucket_cap_mb_list),
+        find_unused_parameters=find_unused_parameters,
+        gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+        broadcast_buffers=sync, init_sync=init_sync, init_sync_buffers=init_buffers,
+        skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+        batched_grad_copy=batched_grad_copy)
     if config is None:
         return DDPConfig(**from_args)
     default = DDPConfig()

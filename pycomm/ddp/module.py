@@ -48,12 +48,20 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
                  *, config: Optional[DDPConfig] = None):
-        args = dict(locals())
         super().__init__()
         Joinable.__init__(self)
-        check_args(args)
+        check_args(mixed_precision=mixed_precision,
+                   delay_all_reduce_named_params=delay_all_reduce_named_params,
+                   param_to_hook_all_reduce=param_to_hook_all_reduce,
+                   check_reduction=check_reduction)
         self.module = module
-        self.config = config_from_args(config, args)
+        self.config = config_from_args(
+            config, bucket_cap_mb=bucket_cap_mb, bucket_cap_mb_list=bucket_cap_mb_list,
+            find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
+            init_sync=init_sync, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
+            batched_grad_copy=batched_grad_copy)
         self.process_group = resolve_group(process_group, device_mesh)
         if device_mesh is not None and device_mesh._get_root_mesh() != device_mesh:
             # A data-parallel slice of a larger mesh: torch turns tensor-parallel (DTensor)
