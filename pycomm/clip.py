@@ -109,7 +109,7 @@ def _synced_grads(ddp) -> list[torch.Tensor]:
 def clip_ddp_grad_norm_(ddp, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
     """DistributedDataParallel.clip_grad_norm_: the first call attaches a post_done
-    callback to the reducer (csrc/grad/bucket_norms.cpp), so from the next synchronized
+    callback to the reducer (csrc/reducer/bucket_norms.cpp), so from the next synchronized
     backward on, each bucket's norm partial is computed the moment its collective
     completes; here the partials are merged and one scale pass runs. When they are not all
     there (first call, another norm_type, a second call in one step, the reducer rebuilt),

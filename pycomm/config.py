@@ -153,7 +153,7 @@ class DDPConfig:
     torch leaves it when it raises. The ranks agree through one extra all-reduce of a flag
     per rank and a host sync in every synchronized backward, so no rank waits for another;
     a rank that died instead makes the others fail within the group timeout. See Note
-    [Non-finite local norm] in csrc/grad/local_clip.cpp."""
+    [Non-finite local norm] in csrc/reducer/local_clip.cpp."""
 
     def __post_init__(self) -> None:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:

@@ -133,12 +133,7 @@ at::Tensor clip_parameters_(const pybind11::list& parameters, double max_norm, d
 
 }  // namespace
 
-void bind_bucket_norms(pybind11::module& m);  // csrc/grad/bucket_norms.cpp
-void bind_local_clip(pybind11::module& m);    // csrc/grad/local_clip.cpp
-
 void bind_clip(pybind11::module& m) {
-  bind_bucket_norms(m);
-  bind_local_clip(m);
   m.def("_clip_grad_norm_", &clip_parameters_, pybind11::arg("parameters"),
         pybind11::arg("max_norm"), pybind11::arg("norm_type") = 2.0,
         pybind11::arg("error_if_nonfinite") = false,

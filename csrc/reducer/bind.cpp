@@ -110,7 +110,12 @@ using ReducerHolder = std::unique_ptr<Reducer, ReleaseGilDelete>;
 
 }  // namespace
 
+void bind_bucket_norms(py::module& m);  // reducer/bucket_norms.cpp
+void bind_local_clip(py::module& m);    // reducer/local_clip.cpp
+
 void bind_reducer(py::module& m) {
+  bind_bucket_norms(m);
+  bind_local_clip(m);
   m.def("_stream_copy", &reducer::stream_copy, py::arg("dst"), py::arg("src"),
         py::arg("scale") = std::nullopt,
         "The reducer's gradient copy with non-temporal stores (Note [Streaming copies]): "

@@ -1,6 +1,6 @@
 // The launch gate (LaunchGate in reducer.h): buckets launched together at the end of
 // backward, after a callback has seen all of them (clipping local gradients before the
-// all-reduce, csrc/grad/local_clip.cpp).
+// all-reduce, csrc/reducer/local_clip.cpp).
 //
 // Note [Deferred launch]
 // With a gate, mark_ready fills buckets but launches none, and copy_into_bucket does not

@@ -29,7 +29,7 @@ class JoinFlags(Protocol):
 def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
     """The collectives of one synchronized backward, with zero gradients, in bucket order
     (see Note [Bucket order] in csrc/reducer/launch.cpp), preceded by the non-finite flag
-    all-reduce of local clipping (Note [Non-finite local norm] in csrc/grad/local_clip.cpp)."""
+    all-reduce of local clipping (Note [Non-finite local norm] in csrc/reducer/local_clip.cpp)."""
     group, reducer = sync.gradient_group, sync.reducer
     if nonfinite_flag:
         flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32,
