@@ -24,6 +24,10 @@ c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg) {
   }
 }
 
+PiecesAllreduce* pieces_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  return dynamic_cast<PiecesAllreduce*>(backend.get());
+}
+
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op) {
   TORCH_CHECK(pg, "start_allreduce: process group is null");
   std::vector<at::Tensor> tensors{tensor};

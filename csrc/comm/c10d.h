@@ -31,4 +31,18 @@ c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg);
 // Launch an asynchronous all-reduce of `tensor` in place on `pg`; the caller waits.
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op);
 
+// What a backend offers beyond c10d's API: an asynchronous sum all-reduce of several
+// tensors as one buffer (in list order), each rank's elements multiplied by `scale` first,
+// results written back in place (a DDP bucket reduced where its gradients are). pycomm's
+// shared-memory backend offers it (See Note [Pieces all-reduce] in shm/allreduce.cpp); the
+// reducer asks for it here and knows no backend by name.
+class PiecesAllreduce {
+ public:
+  virtual ~PiecesAllreduce() = default;
+  virtual WorkPtr allreduce_pieces(std::vector<at::Tensor> tensors, double scale) = 0;
+};
+
+// `backend` as a PiecesAllreduce, or null when it does not offer one.
+PiecesAllreduce* pieces_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
+
 }  // namespace pycomm::comm

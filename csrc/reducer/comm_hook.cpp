@@ -4,8 +4,6 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
-#include "shm/backend.h"
-
 namespace pycomm::reducer {
 
 namespace py = pybind11;
@@ -19,7 +17,7 @@ AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
     : pg_(std::move(pg)),
       run_inline_(run_inline),
       backend_(comm::cpu_backend(pg_)),
-      shm_(dynamic_cast<shm::ShmBackend*>(backend_.get())) {}
+      pieces_(comm::pieces_allreduce(backend_)) {}
 
 FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
                                 const std::vector<at::Tensor>& /*params*/) {
@@ -28,9 +26,9 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
 
 FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> grads,
                                          double scale) {
-  TORCH_CHECK(shm_ != nullptr, "bucket ", bucket.index,
+  TORCH_CHECK(pieces_ != nullptr, "bucket ", bucket.index,
               ": in-place reduction needs a pycomm shared-memory group");
-  return finish(shm_->allreduce_pieces(std::move(grads), scale));
+  return finish(pieces_->allreduce_pieces(std::move(grads), scale));
 }
 
 FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {

@@ -8,10 +8,6 @@
 #include "comm/c10d.h"
 #include "reducer/bucket.h"
 
-namespace pycomm::shm {
-class ShmBackend;
-}
-
 namespace pycomm::reducer {
 
 class CommHook {
@@ -41,8 +37,8 @@ class AllreduceSumHook final : public CommHook {
   FuturePtr run(Bucket& bucket, size_t bucket_count,
                 const std::vector<at::Tensor>& params) override;
   bool reducer_divides() const override { return true; }
-  // On a "pycomm" shared-memory group: its all-reduce of pieces.
-  bool reduces_in_place() const override { return shm_ != nullptr; }
+  // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory).
+  bool reduces_in_place() const override { return pieces_ != nullptr; }
   FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale) override;
 
  private:
@@ -51,8 +47,8 @@ class AllreduceSumHook final : public CommHook {
   comm::ProcessGroupPtr pg_;
   bool run_inline_;
   bool inline_failed_ = false;
-  c10::intrusive_ptr<c10d::Backend> backend_;  // keeps shm_ alive
-  shm::ShmBackend* shm_ = nullptr;             // the group's CPU backend, when it is pycomm's
+  c10::intrusive_ptr<c10d::Backend> backend_;  // keeps pieces_ alive
+  comm::PiecesAllreduce* pieces_ = nullptr;    // what backend_ offers, if it does
 };
 
 class PythonCommHook final : public CommHook {

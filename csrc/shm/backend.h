@@ -21,7 +21,7 @@
 
 namespace pycomm::shm {
 
-class ShmBackend : public c10d::Backend {
+class ShmBackend : public c10d::Backend, public comm::PiecesAllreduce {
  public:
   // Map segment `name` (rank 0 creates it); the caller unlinks it once all ranks mapped it.
   ShmBackend(const std::string& name, int rank, int size, std::chrono::milliseconds timeout,
@@ -44,7 +44,8 @@ class ShmBackend : public c10d::Backend {
   // place: a DDP bucket reduced where its gradients are (See Note [Pieces all-reduce]).
   // The same collective as all_reduce of one tensor of their total size. Dense (each one's
   // bytes taken in memory order), non-overlapping float32 or float64 CPU tensors of one dtype.
-  c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors, double scale);
+  c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors,
+                                                  double scale) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,
