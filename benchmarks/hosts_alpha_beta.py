@@ -1,6 +1,6 @@
 """Validate pycomm.overlap's alpha-beta model on links of known rate (issue 14).
 
-For each rate: make 2 hosts joined by a link shaped to that rate (pycomm/hosts.py, root),
+For each rate: make 2 hosts joined by a link shaped to that rate (pycomm/testing/hosts.py, root),
 1. sweep `pycomm-bench collectives all_reduce` across the link (Gloo, one rank per host)
    and fit the model (pycomm.overlap.fit_alpha_beta): its bus bandwidth should be the
    link's rate;
@@ -34,9 +34,9 @@ import time
 
 import torch
 
-from pycomm.hosts import Hosts, available
 from pycomm.overlap import fit_alpha_beta, replay
 from pycomm.overlap.model import load_collectives_json
+from pycomm.testing.hosts import Hosts, available
 
 STEPS, SKIP = 8, 3  # DDP steps per run; the first SKIP (bucket rebuild, warm-up) not judged
 

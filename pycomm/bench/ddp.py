@@ -313,13 +313,17 @@ def _body(cfg: Config) -> tuple[str, list[Result]]:
 
 
 def _hosts_rank(rank: int, world_size: int, cfg: Config) -> tuple[str, list[Result]]:
-    """One rank of a --hosts run (pycomm/hosts.py made the env:// Gloo group)."""
+    """One rank of a --hosts run (pycomm/testing/hosts.py made the env:// Gloo group)."""
     torch.set_num_threads(cfg.threads)
     return _body(cfg)
 
 
 def _run_on_hosts(cfg: Config, ns: argparse.Namespace) -> tuple[str, list[Result]]:
-    from ..hosts import Hosts, available  # root and iproute2 only here
+    try:  # root and iproute2 only here; the harness ships with a clone, not the wheel
+        from ..testing.hosts import Hosts, available
+    except ImportError as e:
+        raise SystemExit(f"--hosts needs pycomm.testing, which ships with a clone of the "
+                         f"repository (pip install -e .), not with the wheel: {e}") from None
 
     reason = available()
     if reason is not None:
@@ -334,7 +338,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2, help="local ranks to spawn (default 2)")
     p.add_argument("--hosts", type=int, default=0,
                    help="run on this many hosts made on this machine (network namespaces "
-                        "joined by a switch, pycomm/hosts.py; root), Gloo across them")
+                        "joined by a switch, pycomm/testing/hosts.py; root), Gloo across them")
     p.add_argument("--ranks-per-host", type=int, default=1, help="with --hosts (default 1)")
     p.add_argument("--link-gbit", type=float, default=None,
                    help="with --hosts: shape each host's link to this rate with tc tbf "

@@ -1,1 +1,1 @@
-"""Several hosts on one machine (pycomm/hosts.py) and what runs across them."""
+"""Several hosts on one machine (pycomm/testing/hosts.py) and what runs across them."""

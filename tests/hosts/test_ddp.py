@@ -1,4 +1,4 @@
-"""pycomm across hosts (pycomm/hosts.py): its DDP against torch's on the same Gloo group,
+"""pycomm across hosts (pycomm/testing/hosts.py): its DDP against torch's on the same Gloo group,
 2 hosts x 1 rank and 2 hosts x 2 ranks, with the shared-memory path found per host and
 never across; join, a comm hook and the overlap trace across hosts; the collectives
 benchmark and torchrun across hosts."""
@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
 import pycomm.shm
-from pycomm.hosts import Hosts
+from pycomm.testing.hosts import Hosts
 from tests.support.ddp_models import assert_same, build, loss_of, make_input, train_against
 from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 from tests.support.paths import REPO

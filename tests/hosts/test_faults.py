@@ -1,4 +1,4 @@
-"""Faults across hosts (pycomm/hosts.py): a host whose ranks are killed mid-training, or
+"""Faults across hosts (pycomm/testing/hosts.py): a host whose ranks are killed mid-training, or
 whose link goes down, makes the other ranks' DDP step fail within the group timeout with
 an error that names the bucket, Gloo's error and the ranks behind it; nothing hangs."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 
 import pycomm
-from pycomm.hosts import Hosts
+from pycomm.testing.hosts import Hosts
 from tests.support.ddp_models import build, loss_of, make_input
 from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 

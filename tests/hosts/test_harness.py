@@ -1,4 +1,4 @@
-"""The hosts harness itself (pycomm/hosts.py): hosts are distinct machines to the ranks
+"""The hosts harness itself (pycomm/testing/hosts.py): hosts are distinct machines to the ranks
 (hostname, address, pycomm's host identity), the links carry Gloo and are shaped to their
 rate, and everything is torn down after a crash, a timeout, an interrupt or a killed run."""
 
@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import pycomm.shm
-from pycomm import hosts as hosts_mod
-from pycomm.hosts import Hosts, RanksFailed
+from pycomm.testing import hosts as hosts_mod
+from pycomm.testing.hosts import Hosts, RanksFailed
 from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 from tests.support.paths import REPO
 
@@ -108,7 +108,7 @@ def test_an_interrupt_tears_down():
 
 @needs_hosts
 def test_a_killed_run_is_removed_by_the_next():
-    code = ("from pycomm.hosts import Hosts; import sys, time; h = Hosts(2, link_gbit=1.0)"
+    code = ("from pycomm.testing.hosts import Hosts; import sys, time; h = Hosts(2, link_gbit=1.0)"
             ".open(); print(h.prefix, flush=True); time.sleep(600)")
     env = dict(os.environ, PYTHONPATH=ROOT)
     with subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,

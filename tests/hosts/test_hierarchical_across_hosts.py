@@ -1,4 +1,4 @@
-"""The hierarchical all-reduce across real hosts (network namespaces, pycomm/hosts.py):
+"""The hierarchical all-reduce across real hosts (network namespaces, pycomm/testing/hosts.py):
 what crosses the link, counted on the hosts' interfaces, against the flat Gloo
 all-reduce; pycomm's DDP on it by default, against torch's DDP.
 
@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
 import pycomm.shm
-from pycomm.hosts import Hosts
+from pycomm.testing.hosts import Hosts
 from tests.support.ddp_models import build, train_against
 from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 

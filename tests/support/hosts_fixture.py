@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from pycomm import hosts as hosts_mod
+from pycomm.testing import hosts as hosts_mod
 
 REASON = hosts_mod.available()
 needs_hosts = pytest.mark.skipif(REASON is not None, reason=f"no hosts: {REASON}")

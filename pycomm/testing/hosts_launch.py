@@ -1,11 +1,11 @@
-"""Ranks inside pycomm's hosts (pycomm/hosts.py): what each rank runs, with which
+"""Ranks inside pycomm's hosts (pycomm/testing/hosts.py): what each rank runs, with which
 variables, and how a run is waited on and reported. The topology lives in hosts.py.
 
 Each rank is a fresh Python process entered into its host (`ip netns exec`, then
 `nsenter --uts`), with torchrun's variables: RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK (= the host), MASTER_ADDR/MASTER_PORT (host 0's address: rank
 0 serves the TCPStore there, as on a cluster) and GLOO_SOCKET_IFNAME=eth0. A function
-target runs through `python -m pycomm.hosts_launch`, which makes the env:// Gloo group,
+target runs through `python -m pycomm.testing.hosts_launch`, which makes the env:// Gloo group,
 calls it and pickles what it returned; stdout and stderr go to files, so a test can watch
 a rank's progress (`Launch.output`) and a failure reports every rank's tail.
 """
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 if TYPE_CHECKING:
     from .hosts import Hosts
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the folder holding the pycomm package (pycomm/testing/hosts_launch.py: three up)
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _TAIL_CHARS = 2000
 
 
@@ -96,7 +97,7 @@ def rank_specs(hosts: Hosts, target: Any, ranks_per_host: int, port: int,
                        OMP_NUM_THREADS="1", **{k: str(v) for k, v in extra_env.items()})
             base = os.path.join(tmp, f"rank{rank}")
             argv = [str(a) for a in target] if is_command else [
-                sys.executable, "-m", "pycomm.hosts_launch", name,
+                sys.executable, "-m", "pycomm.testing.hosts_launch", name,
                 os.path.join(tmp, "kwargs.pkl"), base + ".pkl", str(group_timeout_s)]
             specs.append(_Spec(rank, host, hosts.exec_argv(host, argv), env, base,
                                not is_command))

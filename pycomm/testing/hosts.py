@@ -14,7 +14,7 @@ tens of microseconds, far below a real network's.
         results = hosts.run(my_module.rank_body, ranks_per_host=2, kwargs={"steps": 3})
         print(hosts.tx_bytes())
 
-`run` (pycomm/hosts_launch.py) starts each rank inside its host with torchrun's variables
+`run` (pycomm/testing/hosts_launch.py) starts each rank inside its host with torchrun's variables
 (rank, world, local rank, MASTER_ADDR/MASTER_PORT on host 0, GLOO_SOCKET_IFNAME=eth0),
 makes the env:// Gloo group, calls a module-level function and returns what every rank
 returned; a command (`pycomm-bench ...`) runs the same way, and `spawn` starts any
