@@ -1,5 +1,5 @@
 // Argument checks and queueing of the operations of ShmBackend (see backend.h); gather,
-// scatter and the list all_to_all are in backend_more.cpp.
+// scatter and the list all_to_all are in backend_tensor_lists.cpp.
 #include "shm/backend.h"
 
 #include <ATen/Functions.h>

@@ -1,6 +1,6 @@
 // Argument checks and contiguous stand-ins shared by the entry points of ShmBackend
-// (backend.cpp, backend_more.cpp). Every failed check is a c10::ValueError (ValueError in
-// Python) that names the operation.
+// (backend.cpp, backend_tensor_lists.cpp). Every failed check is a c10::ValueError
+// (ValueError in Python) that names the operation.
 #pragma once
 
 #include <ATen/core/Tensor.h>
