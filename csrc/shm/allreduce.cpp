@@ -45,17 +45,6 @@ constexpr size_t kWholeReduceBytes = 256 * 1024;
 // Ranks whose source pointers a small all-reduce keeps on the stack (no allocation).
 constexpr unsigned kInlinePeers = 16;
 
-// Element range [lo, lo + len) of the part that `owner` reduces in a chunk of `n`.
-struct Parts {
-  int64_t n, part;
-  Parts(int64_t n, int world, size_t elem) : n(n) {
-    const int64_t line = static_cast<int64_t>(kCacheLine / std::min(elem, kCacheLine));
-    part = ((n + world - 1) / world + line - 1) / line * line;
-  }
-  int64_t lo(int owner) const { return std::min(n, owner * part); }
-  int64_t len(int owner) const { return std::min(n, lo(owner) + part) - lo(owner); }
-};
-
 }  // namespace
 
 // Where an all-reduce's elements live: one buffer, or pieces read scaled and written back

@@ -12,16 +12,13 @@ namespace pycomm::shm {
 
 namespace {
 
-// Note [Parallel reduction]
-// Above kParallelReduceBytes a round's chunk is cut into one part per rank. Each rank
-// copies into its slot only the parts other ranks reduce (its own part it reads straight
-// from its tensor), reduces its part into its tensor and its slot, and after a second
-// phase copies the other parts' results from their owners' slots: 4 bytes moved per
-// byte of tensor at two ranks, where a copy in and a copy out of everything would take 5.5.
-//
-// Below this many bytes per round every rank reduces the whole chunk itself (one phase);
-// above it each rank reduces 1/world of it and the parts are then gathered (two phases,
-// world times less arithmetic per rank).
+// reduce_chunk, one round of the reduce collective: below kParallelReduceBytes per round
+// every rank reduces the whole chunk itself (one phase); above it the chunk is cut into
+// Parts and each rank reduces its own part, as the all-reduce does (Note [All-reduce
+// paths] in allreduce.cpp), without its pipelining: two phases per chunk. A rank copies
+// into its slot only the parts others reduce and reads its own straight from its tensor:
+// 4 bytes moved per byte of tensor at two ranks, where a copy in and a copy out of
+// everything would take 5.5.
 constexpr size_t kParallelReduceBytes = 64 * 1024;
 
 size_t align_down(size_t n, size_t to) { return n / to * to; }
@@ -84,13 +81,13 @@ void Channel::reduce_parts(char* data, int64_t n, c10::ScalarType dtype,
   const size_t elem = c10::elementSize(dtype);
   const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / elem);
   for (int64_t off = 0; off < n; off += chunk) {
-    allreduce_chunk(data + off * elem, std::min(chunk, n - off), dtype, op, root, ctx);
+    reduce_chunk(data + off * elem, std::min(chunk, n - off), dtype, op, root, ctx);
   }
 }
 
-// See Note [Parallel reduction] for the large path.
-void Channel::allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
-                              c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
+// See the comment at kParallelReduceBytes for the two paths.
+void Channel::reduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
+                           c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
   const size_t elem = c10::elementSize(dtype);
   const size_t bytes = n * elem;
   const bool receives = root < 0 || root == rank_;
@@ -104,12 +101,8 @@ void Channel::allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
     return;
   }
   // Parts of whole cache lines, one per rank; the last may be shorter or empty.
-  const int64_t line = static_cast<int64_t>(kCacheLine / std::min(elem, kCacheLine));
-  const int64_t part = ((n + world_ - 1) / world_ + line - 1) / line * line;
-  auto range = [&](int p) {
-    int64_t lo = std::min(n, p * part);
-    return std::make_pair(lo * elem, (std::min(n, lo + part) - lo) * elem);
-  };
+  const Parts parts(n, world_, elem);
+  auto range = [&](int p) { return std::make_pair(parts.lo(p) * elem, parts.len(p) * elem); };
   char* mine = begin_round();
   for (int p = 0; p < world_; ++p) {
     auto [off, len] = range(p);

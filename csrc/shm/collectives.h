@@ -26,6 +26,19 @@
 
 namespace pycomm::shm {
 
+// The part of a chunk of `n` elements that each rank reduces: whole cache lines, one part
+// per rank in rank order, the last shorter or empty. Element range [lo, lo + len) of
+// `owner`'s part. Every parallel reduction (all-reduce, reduce) cuts its chunks this way.
+struct Parts {
+  int64_t n, part;
+  Parts(int64_t n, int world, size_t elem) : n(n) {
+    const int64_t line = static_cast<int64_t>(kCacheLine / std::min(elem, kCacheLine));
+    part = ((n + world - 1) / world + line - 1) / line * line;
+  }
+  int64_t lo(int owner) const { return std::min(n, owner * part); }
+  int64_t len(int owner) const { return std::min(n, lo(owner) + part) - lo(owner); }
+};
+
 // Where one rank's bytes go in an all-to-all: offset and length per peer.
 struct Split {
   std::vector<size_t> offset;
@@ -113,8 +126,8 @@ class Channel {
                        const OpContext& ctx);
   void allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                            const OpContext& ctx);
-  void allreduce_chunk(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
-                       int root, const OpContext& ctx);
+  void reduce_chunk(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
+                    int root, const OpContext& ctx);
   void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                     int root, const OpContext& ctx);
   size_t alltoall_rounds(const Split& send, size_t per_peer, const OpContext& ctx);
