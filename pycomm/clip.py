@@ -1,25 +1,8 @@
 """Gradient clipping by total norm: pycomm.clip_grad_norm_, a drop-in for
 torch.nn.utils.clip_grad_norm_ built on the fused ops (one C++ call per step however many
 gradients there are; the norm pass and the scale pass are the only passes over memory,
-and the scale pass is skipped when the coefficient is 1), and the bucket-aware variant
-behind DistributedDataParallel.clip_grad_norm_.
-
-Note [Clip after vs before the all-reduce]
-ddp.clip_grad_norm_ clips the synchronized (averaged) gradients: every rank sees the same
-total norm and applies the same coefficient, exactly what torch users get from
-all-reduce-then-clip_grad_norm_. Its per-bucket norm partials are computed while backward
-still runs, so communication keeps overlapping backward.
-
-DDPConfig(local_clip_max_norm=...) clips each rank's local gradients before the all-reduce
-instead (Horovod users' other order): every rank's contribution is bounded by max_norm
-before averaging, ranks' coefficients differ, and the averaged gradient is not clipped to
-max_norm (its norm is at most max_norm, usually less; an outlier rank's batch cannot
-dominate the step). It needs each rank's whole local norm before its first collective
-starts, so it gives up overlap: no bucket launches during backward; at its end one fused
-norm pass over all buckets, one scale pass (clip coefficient times 1/world), then every
-bucket launches (See Note [Deferred launch] in csrc/reducer/deferred.cpp). The norm is of
-the local (no_sync-accumulated) gradient; ddp.local_grad_norm() returns it. With a comm
-hook, the hook receives the clipped local bucket and averages it itself, as usual.
+and the scale pass is skipped when the coefficient is 1). The bucket-aware variant behind
+DistributedDataParallel.clip_grad_norm_ is pycomm/ddp/clip.py.
 """
 
 from __future__ import annotations
@@ -31,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _C, ops
+from . import _C
 
 _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -79,65 +62,3 @@ def _norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:
     for g in grads[1:]:
         dtype = torch.promote_types(dtype, g.dtype)
     return dtype
-
-
-def attach_local_clip(reducer, config) -> Optional[object]:
-    """The reducer's launch gate clipping local gradients before the all-reduce (See Note
-    [Clip after vs before the all-reduce]), when config.local_clip_max_norm is set."""
-    if config.local_clip_max_norm is None:
-        return None
-    return _C.attach_local_clip(reducer, float(config.local_clip_max_norm),
-                                float(config.local_clip_norm_type),
-                                bool(config.local_clip_error_if_nonfinite))
-
-
-def _synced_grads(ddp) -> list[torch.Tensor]:
-    """The gradients ddp.clip_grad_norm_ clips: param.grad, or param.main_grad where
-    config.main_grad_only leaves param.grad None."""
-    only = ddp.config.main_grad_only
-    grads = []
-    for _, p in ddp._named_params:
-        g = p.grad
-        if g is None and only:
-            g = getattr(p, "main_grad", None)
-        if g is not None:
-            grads.append(g)
-    return grads
-
-
-@torch.no_grad()
-def clip_ddp_grad_norm_(ddp, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
-    """DistributedDataParallel.clip_grad_norm_: the first call attaches a post_done
-    callback to the reducer (csrc/reducer/bucket_norms.cpp), so from the next synchronized
-    backward on, each bucket's norm partial is computed the moment its collective
-    completes; here the partials are merged and one scale pass runs. When they are not all
-    there (first call, another norm_type, a second call in one step, the reducer rebuilt),
-    the norm is computed from the synchronized gradients instead: same result, one more
-    pass. Under no_sync nothing is computed: no collective runs. With a compressing comm
-    hook, the partial is of the decompressed result (the reduced buffer). With
-    grad_reduce_dtype, it is of the wide reduced buffer, i.e. before param.grad's rounding;
-    with main_grad_only, the fp32 param.main_grad are what is scaled.
-    """
-    norm_type = float(norm_type)
-    grads = _synced_grads(ddp)
-    attached = getattr(ddp, "_bucket_norms", None)
-    partial = None
-    if attached is not None and attached[0] is ddp.reducer:
-        norms = attached[1]
-        partial = norms.take(len(ddp.reducer.bucket_indices()), norm_type)
-        norms.set_norm_type(norm_type)
-    else:
-        ddp._bucket_norms = (ddp.reducer, _C.attach_bucket_norms(ddp.reducer, norm_type))
-    if not grads:
-        return torch.tensor(0.0)
-    if partial is None:
-        return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
-    total, coef = ops.clip_coef(partial, norm_type, max_norm, _norm_dtype(grads))
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the "
-            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    ops.scale_(grads, coef)
-    return total

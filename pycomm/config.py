@@ -139,7 +139,7 @@ class DDPConfig:
     while backward runs: at its end one fused pass takes the local norm over all buckets,
     one pass scales them by the clip coefficient (1/world folded in), and every bucket is
     launched in order. This gives up all overlap of communication with backward. See
-    Note [Clip after vs before the all-reduce] in pycomm/clip.py; ddp.local_grad_norm()
+    Note [Clip after vs before the all-reduce] in pycomm/ddp/clip.py; ddp.local_grad_norm()
     returns the local norm of the last synchronized backward."""
 
     local_clip_norm_type: float = 2.0

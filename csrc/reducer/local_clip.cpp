@@ -4,7 +4,7 @@
 // the clip coefficient, times the averaging factor the reducer skipped, scales all buckets
 // in one pass; then the buckets launch. No host sync: the coefficient stays a tensor,
 // except with error_if_nonfinite (See Note [Non-finite local norm]).
-// See Note [Clip after vs before the all-reduce] in pycomm/clip.py for what this means.
+// See Note [Clip after vs before the all-reduce] in pycomm/ddp/clip.py for what this means.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/isfinite.h>
 #include <ATen/ops/mul.h>

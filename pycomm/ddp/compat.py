@@ -175,7 +175,6 @@ class TorchDDPAttributes:
                           "these unused parameters will not change during training loop while "
                           "calling `_set_static_graph`.", stacklevel=2)
         hook = self._sync.comm_hook
-        self.__dict__.pop("_bucket_norms", None)  # holds the old reducer (and its hooks)
         self.config = self.config.replace(static_graph=True)
         self._build_reducer()
         if hook is not None:

@@ -18,11 +18,11 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .. import overlap
-from ..clip import attach_local_clip, clip_ddp_grad_norm_
 from ..config import DDPConfig
 from . import construction, pickling
-from .args import check_args, config_from_args, find_tensors, gradient_group, resolve_group
-from .compat import TorchDDPAttributes
+from .args import check_args, config_from_args, find_tensors, resolve_group
+from .clip import clip_ddp_grad_norm_
+from .compat import TorchDDPAttributes, TorchReducer
 from .compile import (
     GraphSplit,
     call_module,
@@ -33,6 +33,7 @@ from .compile import (
 from .delay import DelayedAllReduce
 from .forward import ForwardSync
 from .join import DDPJoinHook
+from .runtime import Runtime
 
 
 class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
@@ -102,13 +103,17 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         return construction.buffers_to_sync(self.module, self._delayed_names)
 
     def _build_reducer(self) -> None:
-        gradient_pg = gradient_group(self.process_group, self.config, self.device)
-        self.reducer = construction.build_reducer(self._named_params, gradient_pg,
-                                                  self.process_group, self.config)
-        self._sync = ForwardSync(self.reducer, self.module, self._delayed_names,
-                                 self._named_params, self.process_group, gradient_pg,
-                                 self.device, self.config)
-        self._local_clip = attach_local_clip(self.reducer, self.config)
+        """(Re)build the reducer and everything around it, whole (runtime.py)."""
+        self._runtime = Runtime(self)
+
+    @property
+    def reducer(self) -> TorchReducer:
+        """The C++ reducer (torch's attribute name); rebuilt with the runtime."""
+        return self._runtime.reducer
+
+    @property
+    def _sync(self) -> ForwardSync:
+        return self._runtime.sync
 
     def _make_delayed(self) -> Optional[DelayedAllReduce]:
         spec = self._delayed_spec
@@ -181,13 +186,14 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the synchronized gradients, as torch.nn.utils.clip_grad_norm_ on them would;
-        each bucket's norm is computed as its collective completes. See pycomm/clip.py."""
+        each bucket's norm is computed as its collective completes. See clip.py."""
         return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     def local_grad_norm(self) -> Optional[torch.Tensor]:
         """With config.local_clip_max_norm: this rank's total gradient norm before it was
         clipped, of the last synchronized backward (a tensor, no host sync); else None."""
-        return None if self._local_clip is None else self._local_clip.total_norm()
+        local_clip = self._runtime.local_clip
+        return None if local_clip is None else local_clip.total_norm()
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """torch's protocol: hook(state, dist.GradBucket) -> torch.futures.Future[Tensor]."""

@@ -10,8 +10,7 @@ import copy
 
 from .compile import GraphSplit
 
-REBUILT = ("process_group", "reducer", "_sync", "_bucket_norms", "_delayed", "_local_clip",
-           "_graph_split")
+REBUILT = ("process_group", "_runtime", "_delayed", "_graph_split")
 """Attributes left out of the pickle; the unpickled module makes its own."""
 
 

@@ -48,7 +48,7 @@ def _lockstep_clip(rank, model="mlp", no_sync_every=0, hook=None, norm_type=2.0,
         def clip_ours(d, step=step):
             if step > 0:  # attached at step 0: from then on the partials come from backward
                 n = len(d.reducer.bucket_indices())
-                used_buckets.append(d._bucket_norms[1].complete(n, norm_type))
+                used_buckets.append(d._runtime.bucket_norms.complete(n, norm_type))
             return d.clip_grad_norm_(MAX_NORM, norm_type)
 
         t_ours = _step(ours, opts[1], model, rank, step, no_sync_every, clip_ours, device)
@@ -80,9 +80,9 @@ def _no_sync_computes_nothing(rank, world_size):
     n = len(ddp.reducer.bucket_indices())
     with ddp.no_sync():
         loss_of(ddp(make_input("mlp", rank, 1))).backward()
-    assert not ddp._bucket_norms[1].complete(n, 2.0), "a partial was computed under no_sync"
+    assert not ddp._runtime.bucket_norms.complete(n, 2.0), "a partial was computed under no_sync"
     loss_of(ddp(make_input("mlp", rank, 2))).backward()
-    assert ddp._bucket_norms[1].complete(n, 2.0)
+    assert ddp._runtime.bucket_norms.complete(n, 2.0)
 
 
 def test_no_sync_backward_computes_no_partial():

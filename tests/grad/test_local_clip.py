@@ -1,5 +1,5 @@
 """Clipping each rank's local gradients before the all-reduce (DDPConfig.local_clip_max_norm,
-See Note [Clip after vs before the all-reduce] in pycomm/clip.py) against plain torch:
+See Note [Clip after vs before the all-reduce] in pycomm/ddp/clip.py) against plain torch:
 torch's DDP under no_sync (local gradients only), torch.nn.utils.clip_grad_norm_ on each
 rank, then the average all-reduce written out (or the comm hook's own reduction). 2 and 3
 ranks, with no_sync accumulation, with torch's allreduce and fp16 compression hooks, a
