@@ -128,8 +128,8 @@ std::vector<std::unique_ptr<Bucket>> build_buckets(
     }
     // Only low-precision floating buckets are widened (bf16/fp16 grads reduced in fp32).
     const bool widen = grad_reduce_dtype && at::isReducedFloatingType(first.scalar_type());
-    bucket->buffer = at::zeros({total},
-                               first.options().dtype(widen ? *grad_reduce_dtype : first.scalar_type()));
+    bucket->buffer = at::zeros({total}, first.options().dtype(widen ? *grad_reduce_dtype
+                                                                    : first.scalar_type()));
     for (size_t slot = 0; slot < members.size(); ++slot) {
       bucket->views.push_back(view_for(bucket->buffer, params[members[slot]],
                                        static_cast<int64_t>(bucket->offsets[slot])));

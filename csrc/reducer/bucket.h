@@ -64,6 +64,7 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
 // `grad_reduce_dtype` when given (fp32 reduction of low-precision parameters).
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
-    const std::vector<std::vector<size_t>>& assignment, std::optional<at::ScalarType> grad_reduce_dtype);
+    const std::vector<std::vector<size_t>>& assignment,
+    std::optional<at::ScalarType> grad_reduce_dtype);
 
 }  // namespace pycomm::reducer
