@@ -21,6 +21,7 @@ import datetime
 import os
 import secrets
 import socket
+import warnings
 import weakref
 
 import torch
@@ -32,6 +33,7 @@ from .objects import all_gather_object
 BACKEND_NAME = "pycomm"
 
 _SEGMENT_KEY = "pycomm/shm/segment"
+_FAILED = "!failed: "  # _SEGMENT_KEY's value when rank 0 could not create the segment
 _SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _HIER_GROUPS: dict[str, dist.ProcessGroup | None] = {}
 _LAYOUTS: dict[str, HostLayout] = {}
@@ -83,14 +85,35 @@ class HostLayout:
         return "; ".join(f"{self.identities[ranks[0]]}: ranks {ranks}" for ranks in self.hosts)
 
 
+class ShmSpaceError(RuntimeError):
+    """/dev/shm cannot hold a new "pycomm" group's segment (See Note [Reserving the
+    segment] in csrc/shm/segment.cpp). Raised on every rank of the group."""
+
+
+def _creation_failed(rank: int, what: str) -> RuntimeError:
+    if what.startswith(_C.SHM_NO_SPACE):
+        return ShmSpaceError(
+            f"pycomm backend: rank {rank}: {what.splitlines()[0]}. Grant /dev/shm more "
+            f"space (docker run --shm-size=1g ..., or mount -o remount,size=1g /dev/shm) "
+            f"or use a gloo group")
+    return RuntimeError(f"pycomm backend: rank {rank}: rank 0 could not create the "
+                        f"group's segment: {what}")
+
+
 def _create_local(store: dist.Store, rank: int, size: int,
                   timeout: datetime.timedelta) -> _C.ShmBackend:
     """A shared-memory backend over `size` ranks of one host (rank 0 creates the segment
-    and unlinks it once every rank has mapped it)."""
+    and unlinks it once every rank has mapped it; when it cannot, every rank raises)."""
     timeout_ms = max(1, int(timeout.total_seconds() * 1000))
     if rank == 0:
         name = f"/pycomm-{os.getpid()}-{secrets.token_hex(8)}"
-        backend = _C.ShmBackend(name, rank, size, timeout_ms, True)
+        try:
+            backend = _C.ShmBackend(name, rank, size, timeout_ms, True)
+        except RuntimeError as e:
+            store.set(_SEGMENT_KEY, _FAILED + str(e))  # the others raise it too
+            if str(e).startswith(_C.SHM_NO_SPACE):
+                raise _creation_failed(rank, str(e)) from None
+            raise
         try:
             store.set(_SEGMENT_KEY, name)
             store.wait([_MAPPED_KEY.format(r) for r in range(1, size)], timeout)
@@ -98,6 +121,8 @@ def _create_local(store: dist.Store, rank: int, size: int,
             _C.ShmBackend.unlink(name)
         return backend
     name = store.get(_SEGMENT_KEY).decode()
+    if name.startswith(_FAILED):
+        raise _creation_failed(rank, name[len(_FAILED):])
     try:
         backend = _C.ShmBackend(name, rank, size, timeout_ms, False)
     except Exception:
@@ -270,8 +295,10 @@ def ranks_by_host(group: dist.ProcessGroup) -> list[tuple[str, str]]:
 
 def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     """A "pycomm" group over the ranks of `group` (a CPU-only Gloo group), or None when
-    that would not help: one rank, another backend, or ranks on several hosts. Collective
-    over `group` the first time; the answer is cached per group."""
+    that would not help: one rank, another backend, or ranks on several hosts; or when
+    /dev/shm cannot hold its segment (every rank then warns once, naming the space needed,
+    and stays on `group`). Collective over `group` the first time; the answer is cached
+    per group."""
     if group.group_name in _SAME_HOST_GROUPS:
         return _SAME_HOST_GROUPS[group.group_name]
     answer = None
@@ -280,7 +307,10 @@ def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
         answer = group
     elif (dist.get_backend(group) == "gloo" and size > 1
           and len(host_layout(group).hosts) == 1):
-        answer = _pycomm_group_over(group)
+        try:
+            answer = _pycomm_group_over(group)
+        except ShmSpaceError as e:  # raised on every rank: all fall back alike
+            warnings.warn(f"{e}; this group's collectives stay on gloo", stacklevel=3)
     _SAME_HOST_GROUPS[group.group_name] = answer
     return answer
 

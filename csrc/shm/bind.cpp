@@ -15,6 +15,8 @@ void bind_shm(pybind11::module& m) {
   namespace py = pybind11;
   // The base type is registered by torch.distributed's C extension.
   py::module::import("torch.distributed");
+  // How the error of a /dev/shm too small for a new group's segment starts (pycomm.shm).
+  m.attr("SHM_NO_SPACE") = shm::kNoSpaceMessage;
   py::class_<shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<shm::ShmBackend>>(
       m, "ShmBackend", "c10d backend over a shared-memory segment (see pycomm/shm.py)")
       .def(py::init([](const std::string& name, int rank, int size, int64_t timeout_ms,

@@ -38,6 +38,24 @@ Segment::Segment(const std::string& name, int rank, int world, size_t slot_bytes
     TORCH_CHECK(false, "pycomm shm: cannot size segment ", name, " to ", mapped_bytes_,
                 " bytes: ", std::strerror(err));
   }
+  // Note [Reserving the segment]
+  // ftruncate only sets the size of a tmpfs file; its pages are allocated when first
+  // touched, and a touch that finds /dev/shm full kills the process with SIGBUS (no error
+  // to catch: MAP_POPULATE below fails silently). Containers often mount a small /dev/shm
+  // (Docker's default: 64 MB). posix_fallocate makes the filesystem allocate every page
+  // now, or fail with ENOSPC here, where it can be reported; the peers then map pages that
+  // exist. pycomm.shm turns this error into a fallback or a clear error on every rank.
+  if (create) {
+    int err = posix_fallocate(fd, 0, static_cast<off_t>(mapped_bytes_));
+    if (err != 0) {
+      close(fd);
+      shm_unlink(name.c_str());
+      TORCH_CHECK(false, kNoSpaceMessage, ": the group's segment needs ", mapped_bytes_,
+                  " bytes for ", world,
+                  " ranks and /dev/shm cannot hold them (posix_fallocate: ", std::strerror(err),
+                  ")");
+    }
+  }
   // MAP_POPULATE: the page faults of first touch are taken here, not in the first operations.
   void* p = mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   int err = errno;

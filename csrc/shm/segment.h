@@ -18,6 +18,9 @@ namespace pycomm::shm {
 constexpr uint64_t kMagic = 0x70636f6d6d73686dULL;  // "pcommshm"
 constexpr int kSlotsPerRank = 4;  // See Note [Step counters] and Note [All-reduce paths]
 constexpr size_t kCacheLine = 64;
+// The start of the error raised when /dev/shm cannot hold a new segment (See Note
+// [Reserving the segment] in segment.cpp); pycomm.shm recognises it by this text.
+constexpr const char* kNoSpaceMessage = "pycomm shm: no space in /dev/shm";
 
 // A 32-bit word a futex can wait on, with a count of the ranks asleep on it, so that a
 // writer only pays for FUTEX_WAKE when somebody sleeps.
