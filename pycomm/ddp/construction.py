@@ -7,6 +7,7 @@ args.py's, the module that calls these is module.py."""
 from __future__ import annotations
 
 import itertools
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
@@ -86,6 +87,28 @@ def placement(module: nn.Module, named_params: NamedParams, device_ids, output_d
         d.index if isinstance(d, torch.device) else int(d) for d in device_ids]
     output = output_device if output_device is not None else (ids[0] if ids else None)
     return Placement(device, ids, output)
+
+
+def agreed_bucket_caps(config: DDPConfig, group: dist.ProcessGroup) -> DDPConfig:
+    """`config` with rank 0's bucket caps. torch's DDP adopts rank 0's bucket layout, so
+    ranks given different bucket_cap_mb / bucket_cap_mb_list train there; here every rank
+    takes rank 0's caps before its first layout, and warns once, naming each rank's caps,
+    when they differ. Collective over `group`."""
+    everyone = all_gather_object((config.bucket_cap_mb, config.bucket_cap_mb_list), group=group)
+    if all(caps == everyone[0] for caps in everyone):
+        return config
+    shown = "; ".join(f"rank {r}: {_caps_text(c)}" for r, c in enumerate(everyone))
+    warnings.warn(f"DistributedDataParallel: the ranks' bucket caps differ ({shown}); every "
+                  f"rank uses rank 0's, as torch's DDP adopts rank 0's bucket layout",
+                  stacklevel=3)
+    return config.replace(bucket_cap_mb=everyone[0][0], bucket_cap_mb_list=everyone[0][1])
+
+
+def _caps_text(caps: tuple) -> str:
+    cap, caps_list = caps
+    parts = ([] if cap is None else [f"bucket_cap_mb={cap:g}"]) + (
+        [] if caps_list is None else [f"bucket_cap_mb_list={[float(c) for c in caps_list]}"])
+    return ", ".join(parts) or "torch's defaults"
 
 
 def verify_and_sync_states(group: dist.ProcessGroup, params: NamedParams,

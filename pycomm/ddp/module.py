@@ -89,6 +89,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             buffers = self._buffers_to_sync() if self.config.init_sync_buffers else []
             construction.verify_and_sync_states(self.process_group, self._params_to_sync(),
                                                 buffers)
+        self.config = construction.agreed_bucket_caps(self.config, self.process_group)
         self._build_reducer()
 
     # ---- construction (see construction.py) ------------------------------------------
