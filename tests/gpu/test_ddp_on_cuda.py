@@ -37,6 +37,11 @@ TINY, ONE = 1e-6, 1000.0  # bucket caps: one parameter per bucket, one bucket
 GROUPS = {"nccl-world1": (1, "nccl"), "gloo-2ranks-1gpu": (2, "gloo")}
 
 
+def _run_on(group: str, fn) -> None:
+    world, backend = GROUPS[group]
+    run_ranks(fn, world, backend, deadline_s=600)
+
+
 def _on_the_gpu() -> None:
     """Every rank on device 0, with torch's deterministic kernels (see the docstring)."""
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -64,8 +69,7 @@ def _reducer_cases(rank, world_size):
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_reducer_on_cuda_matches_torch_ddp_bitwise(group):
-    world, backend = GROUPS[group]
-    run_ranks(_reducer_cases, world, backend, deadline_s=600)
+    _run_on(group, _reducer_cases)
 
 
 def _default_config(rank, world_size):
@@ -88,8 +92,7 @@ def _default_config(rank, world_size):
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_default_config_with_device_ids_matches_torch_ddp(group):
-    world, backend = GROUPS[group]
-    run_ranks(_default_config, world, backend)
+    _run_on(group, _default_config)
 
 
 def _main_grads(rank, world_size):
@@ -103,8 +106,7 @@ def _main_grads(rank, world_size):
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_bf16_fp16_parameters_accumulate_fp32_main_grads_on_cuda(group):
-    world, backend = GROUPS[group]
-    run_ranks(_main_grads, world, backend)
+    _run_on(group, _main_grads)
 
 
 def _clipping(rank, world_size):
@@ -122,5 +124,4 @@ def _clipping(rank, world_size):
 
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_clipping_during_backward_on_cuda_matches_torch(group):
-    world, backend = GROUPS[group]
-    run_ranks(_clipping, world, backend)
+    _run_on(group, _clipping)
