@@ -95,8 +95,10 @@ def launch(body: Callable[[Any], Any], args: Any, nproc: int, backend: str,
 # same way: the spread vanished (96-105 ms of CPU everywhere). Six 16 MiB blocks
 # allocated, written and freed six times fault 24.6k, 24.6k, 20.5k, 8.2k, 0, 0 pages by
 # default (some runs 24.6k, 24.6k, 24.6k, 24.5k, 8.2k, 0) and 24.6k, 4.1k, 0, 0, 0, 0
-# so (tests/bench/test_ddp.py). Benchmarks that compare step times call this before
-# building their models.
+# so; how much the second cycle faults varies from run to run (4.1k to 24.6k in
+# 2026-11-25's runs, the third 0 to 8.2k), but from the fourth on nothing faults
+# (tests/bench/test_ddp.py); the benchmarks' warm-up steps cover the first cycles.
+# Benchmarks that compare step times call this before building their models.
 
 
 def steady_allocator() -> str:
