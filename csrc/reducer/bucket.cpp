@@ -142,4 +142,38 @@ std::vector<std::unique_ptr<Bucket>> build_buckets(
   return buckets;
 }
 
+void Bucket::reset_step() {
+  pending = params.size();
+  unused = 0;
+  skipped = false;
+  deferred.clear();
+  in_place = false;
+  grads.clear();
+  future.reset();
+  ready_ns = launch_ns = -1;
+  done_ns.store(-1);
+  ready_stamp = -1;
+  done_stamp.store(-1);
+}
+
+void BucketLayout::build(const std::vector<at::Tensor>& params,
+                         const std::vector<std::string>& names,
+                         const std::vector<std::vector<size_t>>& assignment,
+                         std::optional<at::ScalarType> grad_reduce_dtype, bool grads_as_views) {
+  buckets_ = build_buckets(params, names, assignment, grad_reduce_dtype);
+  locator_.assign(params.size(), {0, 0});
+  for (auto& bucket : buckets_) {
+    for (size_t slot = 0; slot < bucket->params.size(); ++slot) {
+      const size_t index = bucket->params[slot];
+      locator_[index] = {bucket->index, slot};
+      at::Tensor& grad = params[index].mutable_grad();
+      at::Tensor& view = bucket->views[slot];
+      if (grads_as_views && grad.defined() && grad.scalar_type() == view.scalar_type()) {
+        view.copy_(grad);
+        grad = view;
+      }
+    }
+  }
+}
+
 }  // namespace pycomm::reducer

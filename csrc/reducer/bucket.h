@@ -1,6 +1,6 @@
-// Buckets: which parameters share one flat gradient buffer, the buffer itself, and the
-// per-parameter views into it. Owns layout only; readiness, launch and finalize live in
-// reducer.{h,cpp}.
+// Buckets: which parameters share one flat gradient buffer, the buffer itself, the
+// per-parameter views into it, and each bucket's per-step state. Owns layout only;
+// readiness, launch and finalize live in reducer.{h,cpp}.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -27,7 +27,7 @@ struct Bucket {
   std::vector<at::Tensor> views;      // per slot: `buffer` seen with the parameter's shape
   std::vector<c10::IntArrayRef> sizes;  // per slot, refs to the parameters' sizes
 
-  // Per-step state, reset by Reducer::reset_step.
+  // Per-step state, reset by reset_step.
   size_t pending = 0;           // gradients still to land
   size_t unused = 0;            // parameters unused this step (skip_all_reduce_unused_params)
   bool skipped = false;         // not reduced this step (all its parameters unused)
@@ -44,6 +44,7 @@ struct Bucket {
   std::atomic<int64_t> done_stamp{-1};
 
   int64_t nbytes() const { return buffer.numel() * static_cast<int64_t>(buffer.element_size()); }
+  void reset_step();
 };
 
 // Greedy assignment in `order` (reducer parameter indices), one open bucket per
@@ -52,7 +53,7 @@ struct Bucket {
 // their first parameter appears in `order`, which is the launch order.
 //
 // `groups` (per parameter; empty: each parameter alone) names gradient groups, parameters
-// whose gradients become ready together (See Note [Gradient groups] in groups.cpp): a
+// whose gradients become ready together (See Note [Gradient groups] in rebuild.cpp): a
 // bucket closes inside a group only if the rest of the group still fills the next bucket,
 // so every group ends a bucket unless the bucket is still under its limit there.
 std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& params,
@@ -66,5 +67,36 @@ std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
     const std::vector<std::vector<size_t>>& assignment,
     std::optional<at::ScalarType> grad_reduce_dtype);
+
+// The buckets of the current layout and where each parameter's gradient lives in them
+// (bucket, slot). Laid out again only outside backward (Reducer::rebuild_buckets).
+class BucketLayout {
+ public:
+  // Lay out `assignment` (see build_buckets). With `grads_as_views`
+  // (gradient_as_bucket_view), a parameter's existing grad of its bucket's dtype is copied
+  // into its slot and becomes the slot's view.
+  void build(const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
+             const std::vector<std::vector<size_t>>& assignment,
+             std::optional<at::ScalarType> grad_reduce_dtype, bool grads_as_views);
+
+  const std::vector<std::unique_ptr<Bucket>>& buckets() const { return buckets_; }
+  size_t size() const { return buckets_.size(); }
+  Bucket& operator[](size_t bucket) const { return *buckets_[bucket]; }
+  Bucket& bucket_of(size_t index) const { return *buckets_[locator_[index].first]; }
+  size_t slot_of(size_t index) const { return locator_[index].second; }
+  // The bucket view holding parameter `index`'s gradient.
+  const at::Tensor& view(size_t index) const {
+    const auto [bucket, slot] = locator_[index];
+    return buckets_[bucket]->views[slot];
+  }
+  c10::Device device() const { return buckets_.front()->buffer.device(); }
+  void reset_step() {
+    for (auto& bucket : buckets_) bucket->reset_step();
+  }
+
+ private:
+  std::vector<std::unique_ptr<Bucket>> buckets_;
+  std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, slot)
+};
 
 }  // namespace pycomm::reducer

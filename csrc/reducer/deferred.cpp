@@ -23,12 +23,12 @@ void Reducer::set_launch_gate(LaunchGate gate) {
 }
 
 void Reducer::open_launch_gate() {
-  for (const auto& bucket : buckets_) {
+  for (const auto& bucket : layout_.buckets()) {
     if (bucket->pending != 0) return;  // finalize reports the missing parameters
   }
   std::vector<at::Tensor> buffers;
-  buffers.reserve(buckets_.size());
-  for (const auto& bucket : buckets_) buffers.push_back(bucket->buffer);
+  buffers.reserve(layout_.size());
+  for (const auto& bucket : layout_.buckets()) buffers.push_back(bucket->buffer);
   const double divide = hook_->reducer_divides() ? 1.0 / static_cast<double>(div_factor_) : 1.0;
   try {
     gate_(buffers, divide);

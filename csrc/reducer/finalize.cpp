@@ -1,6 +1,7 @@
 // The end of a synchronized backward: wait for every bucket's collective in index order,
-// write the reduced gradients back to param.grad as torch's DDP does, record the step's
-// timeline, and decide about the one bucket rebuild (see reducer.h).
+// write the reduced gradients back to param.grad as torch's DDP does, and end the step in
+// each part (usage, the recorded step, timing); or fail, or abandon, the step with a
+// message that says what was reduced (see reducer.h).
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
 
 #include <sstream>
@@ -55,30 +56,29 @@ void Reducer::finalize_backward() {
   finalize_queued_ = false;
   if (state_ != State::kBackward) return;  // a backward that reached no parameter
   state_ = State::kReduced;
-  if (counting_hooks()) mark_counted();  // See Note [Static graph hook counts]
+  if (usage_.counting_hooks()) mark_counted();  // See Note [Static graph hook counts]
   if (gate_) open_launch_gate();
-  if (next_launch_ < buckets_.size()) fail_unready();
-  for (auto& bucket : buckets_) wait_bucket(*bucket);
-  if (used_future_) {
-    used_future_->wait();
-    TORCH_CHECK(!used_future_->hasError(), "pycomm DDP (rank ", rank_,
-                "): the all-reduce of parameter usage failed: ",
-                used_future_->tryRetrieveErrorMessage());
-    global_used_ = result_tensor(used_future_->value()).to(at::kCPU);
-    local_used_.zero_();
-  }
-  for (auto& bucket : buckets_) {
+  if (next_launch_ < layout_.size()) fail_unready();
+  for (auto& bucket : layout_.buckets()) wait_bucket(*bucket);
+  usage_.wait_sum();
+  for (auto& bucket : layout_.buckets()) {
     finalize_bucket(*bucket);
     bucket->grads.clear();  // param.grad may be freed (zero_grad) before the next step
   }
-  if (options_.static_graph && track_used_) {
-    const int32_t* used = global_used_.data_ptr<int32_t>();
-    for (size_t i = 0; i < params_.size(); ++i) static_unused_[i] = used[i] == 0;
-    track_used_ = false;
-  }
-  end_recorded_step();
-  if (options_.record_timeline) push_timeline(finalize_start);
+  usage_.end_step();
+  recorder_.end_step();
+  if (timing_.recording()) timing_.push(step_, rank_, layout_, finalize_start);
   ++step_;
+}
+
+// static_graph's first step: every parameter is marked ready now, at the end of backward,
+// the ones no hook reached as unused (See Note [Static graph hook counts]).
+void Reducer::mark_counted() {
+  const std::vector<int32_t>& counts = usage_.end_counting();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (counts[i] == 0) ++layout_.bucket_of(i).unused;
+  }
+  for (size_t i = 0; i < params_.size(); ++i) mark_ready(i, /*used=*/counts[i] > 0);
 }
 
 void Reducer::wait_bucket(Bucket& bucket) {
@@ -94,13 +94,8 @@ void Reducer::wait_bucket(Bucket& bucket) {
   reset_step();
   state_ = State::kIdle;
   TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): the collective of bucket ", failed, " of ",
-              buckets_.size(), " (", nbytes, " bytes; parameters ", members,
+              layout_.size(), " (", nbytes, " bytes; parameters ", members,
               ") failed or timed out: ", error, describe_peers(error, peer_hosts_), reduced);
-}
-
-bool Reducer::globally_unused(size_t index) const {
-  if (track_used_) return global_used_.data_ptr<int32_t>()[index] == 0;
-  return options_.static_graph && static_unused_[index] != 0;
 }
 
 // Mirrors torch's finalize_bucket_dense: a globally unused parameter keeps its grad;
@@ -110,7 +105,7 @@ void Reducer::finalize_bucket(Bucket& bucket) {
   if (bucket.in_place) return;  // the grads hold the result (See Note [Gradients reduced in place])
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const size_t index = bucket.params[slot];
-    if (globally_unused(index)) continue;
+    if (usage_.globally_unused(index)) continue;
     const at::Tensor& view = bucket.views[slot];
     const at::Tensor& param = params_[index];
     at::Tensor& grad = params_[index].mutable_grad();
@@ -139,9 +134,7 @@ void Reducer::fail_unready() {
   }
   if (count > 16) missing << ", ... (" << count - 16 << " more)";
   const size_t first_unlaunched = next_launch_;
-  drain_launched();
-  reset_step();
-  local_used_.zero_();
+  discard_step();
   state_ = State::kIdle;
   TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): ", count,
               " parameter(s) did not receive "
@@ -172,28 +165,26 @@ std::string Reducer::abandon_unfinished_step() {
        << "exception was raised in it, or it was interrupted): " << ready << " of "
        << params_.size() << " parameters had their gradient ready";
   if (last_hooked_ >= 0) note << ", the last one " << names_[last_hooked_];
-  note << "; " << launched << " of " << buckets_.size() << " buckets had launched";
-  if (launched < buckets_.size()) {
-    note << ", bucket " << launched << " of " << buckets_.size() << " (parameters "
-         << describe_params(*buckets_[launched], names_) << ") and later had not";
+  note << "; " << launched << " of " << layout_.size() << " buckets had launched";
+  if (launched < layout_.size()) {
+    note << ", bucket " << launched << " of " << layout_.size() << " (parameters "
+         << describe_params(layout_[launched], names_) << ") and later had not";
   }
   drain_launched();
   const std::string reduced = reduced_in_place_note();
   for (size_t b = 0; b < launched; ++b) {
-    const FuturePtr& future = buckets_[b]->future;
+    const FuturePtr& future = layout_[b].future;
     if (future && future->hasError()) {
       const std::string error = future->tryRetrieveErrorMessage();
-      reset_step();
-      local_used_.zero_();
+      discard_step();
       state_ = State::kIdle;
       TORCH_CHECK(false, note.str(), ". Waiting for the collective of bucket ", b,
                   " it launched failed (did another rank fail elsewhere in that backward?): ",
                   error, reduced);
     }
   }
-  reset_step();
-  local_used_.zero_();
-  if (record_order_) order_.clear();  // a partial ready order must not seed the rebuild
+  discard_step();
+  recorder_.discard_partial();
   note << ". Its launched collectives completed and the step was discarded; param.grad may "
        << "still hold this rank's unreduced gradients from it" << reduced
        << " (zero_grad() before the next backward).";
@@ -206,7 +197,7 @@ std::string Reducer::reduced_in_place_note() const {
   std::ostringstream out;
   size_t count = 0;
   for (size_t b = 0; b < next_launch_; ++b) {
-    if (!buckets_[b]->in_place || buckets_[b]->skipped) continue;
+    if (!layout_[b].in_place || layout_[b].skipped) continue;
     out << (count++ ? ", " : "") << b;
   }
   if (count == 0) return "";
@@ -216,93 +207,16 @@ std::string Reducer::reduced_in_place_note() const {
 }
 
 void Reducer::drain_launched() noexcept {
-  for (auto& bucket : buckets_) {
+  for (auto& bucket : layout_.buckets()) {
     if (bucket->future) bucket->future->wait();
   }
-  if (used_future_) used_future_->wait();
+  usage_.drain();
 }
 
-void Reducer::push_timeline(int64_t finalize_start_ns) {
-  StepTimeline step;
-  step.step = step_;
-  step.rank = rank_;
-  step.backward_start_ns = backward_start_ns_;
-  step.param_ready_ns = ready_ns_;
-  step.buckets.reserve(buckets_.size());
-  for (const auto& bucket : buckets_) {
-    BucketTimes times;
-    times.index = static_cast<int64_t>(bucket->index);
-    times.nbytes = bucket->nbytes();
-    times.param_indices.assign(bucket->params.begin(), bucket->params.end());
-    times.ready_ns = bucket->ready_ns;
-    times.launch_ns = bucket->launch_ns;
-    times.done_ns = bucket->done_ns.load();
-    times.in_place = bucket->in_place;
-    times.ready_stamp = bucket->ready_stamp;
-    times.done_stamp = bucket->done_stamp.load();
-    step.buckets.push_back(std::move(times));
-  }
-  step.finalize_start_ns = finalize_start_ns;
-  step.finalize_end_ns = now_ns();
-  step.device = std::move(stamps_);
-  timeline_.push(std::move(step));
-}
-
-std::vector<StepTimeline> Reducer::timelines(size_t n) const {
-  std::vector<StepTimeline> steps;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    steps = timeline_.last(n);
-  }
-  for (auto& step : steps) resolve_device_stamps(step);  // syncs device events; no lock held
-  return steps;
-}
-
-void Reducer::end_recorded_step() {
-  if (!record_order_) return;
-  record_order_ = false;
-  rebuild_pending_ = !rebuilt_;
-}
-
-void Reducer::note_shadowed_step(const std::optional<at::Tensor>& global_used) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  if (global_used && options_.static_graph && track_used_) {
-    const at::Tensor used = global_used->to(at::kCPU, at::kInt).contiguous();
-    TORCH_CHECK_VALUE(used.numel() == static_cast<int64_t>(params_.size()),
-                      "note_shadowed_step: usage of ", used.numel(), " parameters, expected ",
-                      params_.size());
-    const int32_t* counts = used.data_ptr<int32_t>();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      static_unused_[i] = counts[i] == 0;
-      expected_hooks_[i] = counts[i] == 0 ? 0 : 1;  // this rank never ran a step
-    }
-    track_used_ = false;
-  }
-  end_recorded_step();
-}
-
-bool Reducer::tracks_usage() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return track_used_;
-}
-
-bool Reducer::should_rebuild_buckets() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  return rebuild_pending_;
-}
-
-std::vector<size_t> Reducer::ready_order() const {
-  std::lock_guard<std::mutex> lock(mutex_);
-  std::vector<uint8_t> seen(params_.size(), 0);
-  std::vector<size_t> order;
-  for (size_t index : order_) {
-    if (!seen[index]) order.push_back(index);
-    seen[index] = 1;
-  }
-  for (size_t i = params_.size(); i-- > 0;) {
-    if (!seen[i]) order.push_back(i);
-  }
-  return order;
+void Reducer::discard_step() {
+  drain_launched();
+  reset_step();
+  usage_.discard_step();
 }
 
 }  // namespace pycomm::reducer

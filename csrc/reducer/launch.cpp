@@ -26,40 +26,44 @@ void Reducer::queue_finalize() {
 void Reducer::on_backward_start() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (state_ != State::kPrepared) return;
-  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  timing_.start_backward();
   queue_finalize();
 }
 
 void Reducer::begin_backward_locked() {
   state_ = State::kBackward;
-  if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
-  const c10::Device device = buckets_.front()->buffer.device();
-  stamps_ = options_.record_timeline && !device.is_cpu() ? std::make_shared<DeviceStamps>(device)
-                                                         : nullptr;
+  timing_.begin_step(layout_.device());
   scale_value_ = 1.0 / static_cast<double>(div_factor_);
   scale_ = at::native::wrapped_scalar_tensor(scale_value_);
   const bool in_place = in_place_allowed() && !grads_share_memory();
-  for (auto& bucket : buckets_) {
+  for (auto& bucket : layout_.buckets()) {
     const at::ScalarType dtype = bucket->buffer.scalar_type();
     bucket->in_place = in_place && bucket->buffer.device().is_cpu() &&
                        (dtype == at::kFloat || dtype == at::kDouble);
   }
   queue_finalize();
-  for (size_t index : unused_) ++buckets_[locator_[index].first]->unused;
-  for (size_t index : unused_) mark_ready(index, /*used=*/false);
+  for (size_t index : usage_.unused()) ++layout_.bucket_of(index).unused;
+  for (size_t index : usage_.unused()) mark_ready(index, /*used=*/false);
 }
 
 void Reducer::autograd_hook(size_t index) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (track_used_) local_used_.data_ptr<int32_t>()[index] = 1;
-  if (widened_[index]) accumulate_main_grad(index);
+  usage_.note_hook(index);
+  if (main_grads_.widened(index)) {
+    main_grads_.accumulate(index, params_[index], layout_.view(index), names_[index]);
+  }
   if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
   TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
               " got a gradient after this step was already reduced: backward "
               "ran twice without a forward through the DistributedDataParallel wrapper");
   if (state_ == State::kPrepared) begin_backward_locked();
   last_hooked_ = static_cast<int64_t>(index);
-  if (options_.static_graph && static_hook_pending(index)) return;
+  if (options_.static_graph) {  // See Note [Static graph hook counts]
+    timing_.param_ready(index, /*last=*/true);
+    const Usage::Hook hook = usage_.count_hook(index, names_[index]);
+    if (hook.first && usage_.counting_hooks()) recorder_.note_ready(index);
+    if (hook.pending) return;
+  }
   // torch raises a RuntimeError at the same point ("Expected to mark a variable ready only
   // once"); a hook that fires twice without static_graph has no count to wait for.
   TORCH_CHECK(!marked_[index], "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
@@ -74,15 +78,14 @@ void Reducer::autograd_hook(size_t index) {
 
 void Reducer::mark_ready(size_t index, bool used) {
   marked_[index] = 1;
-  const auto [bucket_index, slot] = locator_[index];
-  Bucket& bucket = *buckets_[bucket_index];
+  Bucket& bucket = layout_.bucket_of(index);
+  const size_t slot = layout_.slot_of(index);
   if (!keeps_in_place(bucket, slot)) copy_into_bucket(bucket, slot);
-  if (options_.record_timeline && used && ready_ns_[index] < 0) ready_ns_[index] = now_ns();
-  if (record_order_) order_.push_back(index);
+  if (used) timing_.param_ready(index);
+  recorder_.note_ready(index);
   if (--bucket.pending == 0) {
     if (options_.batched_grad_copy) flush_batched(bucket);
-    bucket.ready_ns = now_ns();
-    if (stamps_) bucket.ready_stamp = stamps_->stamp();
+    timing_.bucket_ready(bucket);
     if (!gate_) launch_ready_buckets();
   }
 }
@@ -95,7 +98,10 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   at::Tensor& view = bucket.views[slot];
   at::Tensor& grad = params_[index].mutable_grad();
   const bool divide = divides_in_copy();
-  if (finish_accumulated(index, view, divide)) return;
+  if (main_grads_.take(index)) {  // the view holds the local sum (Note [main_grad accumulation])
+    if (divide) view.mul_(scale_);
+    return;
+  }
   if (!grad.defined()) {
     view.zero_();
     return;
@@ -140,16 +146,11 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
 // and rebuilt from rank 0's broadcast ready order), so the i-th collective of a step is
 // the same bucket everywhere, whatever order gradients become ready in on each rank.
 void Reducer::launch_ready_buckets() {
-  while (next_launch_ < buckets_.size() && buckets_[next_launch_]->pending == 0) {
-    launch(*buckets_[next_launch_++]);
+  while (next_launch_ < layout_.size() && layout_[next_launch_].pending == 0) {
+    launch(layout_[next_launch_++]);
   }
-  if (next_launch_ == buckets_.size() && track_used_) {
-    // Usage is summed across ranks after the last bucket (see Note [Bucket order]).
-    // On an accelerator: a pinned, non-blocking copy, so backward never waits for it.
-    const c10::Device device = buckets_.front()->buffer.device();
-    at::Tensor used = local_used_.clone();
-    if (!device.is_cpu()) used = used.pin_memory().to(device, /*non_blocking=*/true);
-    used_future_ = comm::start_allreduce(pg_, used, c10d::ReduceOp::SUM)->getFuture();
+  if (next_launch_ == layout_.size() && usage_.tracking()) {
+    usage_.start_allreduce(pg_, layout_.device());  // See Note [Parameter usage]
   }
 }
 
@@ -206,11 +207,11 @@ void Reducer::launch(Bucket& bucket) {
   bucket.launch_ns = now_ns();
   FuturePtr future = launches_in_place(bucket)
                          ? hook_->run_in_place(bucket, bucket.grads, scale_value_)
-                         : hook_->run(bucket, buckets_.size(), params_);
+                         : hook_->run(bucket, layout_.size(), params_);
   Bucket* target = &bucket;
   auto* callbacks = &post_done_;
   bucket.future = future->then(
-      [target, callbacks, stamps = stamps_](c10::ivalue::Future& parent) -> c10::IValue {
+      [target, callbacks, stamps = timing_.stamps()](c10::ivalue::Future& parent) -> c10::IValue {
         const c10::IValue& value = parent.value();  // rethrows the collective's error
         target->done_ns.store(now_ns());
         if (stamps) target->done_stamp.store(stamps->stamp());

@@ -1,6 +1,6 @@
 // The reducer's set-up: construction, hooks, bucket (re)building, the arming of each step
-// (prepare_*) and its settings. The hot path is launch.cpp (hook -> bucket -> launch), then
-// finalize.cpp (wait -> grads); see reducer.h.
+// (prepare_*), its settings and the queries of its parts. The hot path is launch.cpp
+// (hook -> bucket -> launch), then finalize.cpp (wait -> grads); see reducer.h.
 #include "reducer/reducer.h"
 
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
@@ -46,6 +46,11 @@ class BackwardStartHook final : public torch::autograd::FunctionPreHook {
   std::weak_ptr<Reducer*> reducer_;
 };
 
+const comm::ProcessGroupPtr& checked(const comm::ProcessGroupPtr& pg) {
+  TORCH_CHECK_VALUE(pg, "Reducer: process group is null");
+  return pg;
+}
+
 }  // namespace
 
 Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
@@ -55,25 +60,18 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
       names_(std::move(names)),
       pg_(std::move(pg)),
       options_(options),
+      rank_(checked(pg_)->getRank()),
+      div_factor_(pg_->getSize()),
       self_(std::make_shared<Reducer*>(this)),
-      timeline_(options.record_timeline ? static_cast<size_t>(options.timeline_steps) : 0) {
-  TORCH_CHECK_VALUE(pg_, "Reducer: process group is null");
+      usage_(params_.size(), rank_, options.find_unused_parameters, options.static_graph),
+      recorder_(params_.size(), options.find_unused_parameters, options.static_graph),
+      timing_(params_.size(), options.record_timeline,
+              static_cast<size_t>(std::max<int64_t>(options.timeline_steps, 0))),
+      marked_(params_.size(), 0) {
   TORCH_CHECK_VALUE(!params_.empty(), "Reducer: no parameters that require grad");
   TORCH_CHECK_VALUE(names_.size() == params_.size(), "Reducer: ", names_.size(), " names for ",
                     params_.size(), " parameters");
-  rank_ = pg_->getRank();
-  div_factor_ = pg_->getSize();
   hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives);
-  marked_.assign(params_.size(), 0);
-  ready_ns_.assign(params_.size(), -1);
-  static_unused_.assign(params_.size(), 0);
-  hook_counts_.assign(params_.size(), 0);
-  expected_hooks_.assign(params_.size(), 1);
-  local_used_ = at::zeros({static_cast<int64_t>(params_.size())}, at::kInt);
-  track_used_ = options_.find_unused_parameters || options_.static_graph;
-  // Buckets are rebuilt from the observed ready order once, unless the graph is dynamic
-  // (find_unused_parameters without static_graph), as torch does.
-  record_order_ = !options_.find_unused_parameters || options_.static_graph;
   rebuild_buckets(assignment);
   install_hooks();
 }
@@ -111,62 +109,27 @@ void Reducer::remove_hooks() {
 void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(state_ != State::kBackward, "cannot rebuild buckets during backward");
-  auto sums = save_accumulated();
-  buckets_ = build_buckets(params_, names_, assignment, options_.grad_reduce_dtype);
-  locator_.assign(params_.size(), {0, 0});
-  for (auto& bucket : buckets_) {
-    for (size_t slot = 0; slot < bucket->params.size(); ++slot) {
-      const size_t index = bucket->params[slot];
-      locator_[index] = {bucket->index, slot};
-      // gradient_as_bucket_view: an existing grad moves into its new slot.
-      at::Tensor& grad = params_[index].mutable_grad();
-      at::Tensor& view = bucket->views[slot];
-      if (options_.gradient_as_bucket_view && grad.defined() &&
-          grad.scalar_type() == view.scalar_type()) {
-        view.copy_(grad);
-        grad = view;
-      }
-    }
-  }
-  note_widened();
-  for (auto& [index, sum] : sums) {
-    grad_view(index).copy_(sum);
-    accumulated_[index] = 1;
-  }
-  if (rebuild_pending_) {
-    rebuild_pending_ = false;
-    rebuilt_ = true;
-  }
+  const auto sums = main_grads_.save(layout_);
+  layout_.build(params_, names_, assignment, options_.grad_reduce_dtype,
+                options_.gradient_as_bucket_view);
+  main_grads_.reset(layout_, params_);
+  main_grads_.restore(layout_, sums);
+  recorder_.note_rebuilt();
   reset_step();
 }
 
 at::Tensor Reducer::grad_view(size_t index) const {
   TORCH_CHECK_INDEX(index < params_.size(), "parameter index ", index, " out of range");
-  const auto [bucket, slot] = locator_[index];
-  return buckets_[bucket]->views[slot];
+  return layout_.view(index);
 }
 
 void Reducer::reset_step() {
   next_launch_ = 0;
   std::fill(marked_.begin(), marked_.end(), 0);
-  std::fill(ready_ns_.begin(), ready_ns_.end(), -1);
-  std::fill(hook_counts_.begin(), hook_counts_.end(), 0);
   finalize_queued_ = false;  // a backward that raised dropped its queued callback
-  for (auto& bucket : buckets_) {
-    bucket->pending = bucket->params.size();
-    bucket->unused = 0;
-    bucket->skipped = false;
-    bucket->deferred.clear();
-    bucket->in_place = false;
-    bucket->grads.clear();
-    bucket->future.reset();
-    bucket->ready_ns = bucket->launch_ns = -1;
-    bucket->done_ns.store(-1);
-    bucket->ready_stamp = -1;
-    bucket->done_stamp.store(-1);
-  }
-  used_future_.reset();
-  backward_start_ns_ = -1;
+  layout_.reset_step();
+  usage_.reset_step();
+  timing_.reset_step();
   last_hooked_ = -1;
 }
 
@@ -181,16 +144,8 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
                 "DistributedDataParallel was constructed; wrap the module again");
   }
   reset_step();
-  unused_.clear();
-  if (options_.static_graph && !track_used_) {
-    // This rank's own unused set, learned in the first step (torch's unused_parameters_).
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (expected_hooks_[i] == 0) unused_.push_back(i);
-    }
-  } else if (options_.find_unused_parameters && !options_.static_graph) {
-    find_unused(outputs);
-  }
-  if (record_order_ && !rebuilt_) note_groups(outputs);
+  usage_.plan(outputs, accumulators_);
+  recorder_.plan(outputs, accumulators_);
   std::weak_ptr<Reducer*> weak = self_;
   for (const auto& out : outputs) {
     if (out.defined() && out.grad_fn()) {
@@ -231,6 +186,42 @@ void Reducer::set_divide_factor(int64_t factor) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK_VALUE(factor > 0, "divide factor must be positive, got ", factor);
   div_factor_ = factor;
+}
+
+void Reducer::note_shadowed_step(const std::optional<at::Tensor>& global_used) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  usage_.note_shadowed(global_used);
+  recorder_.end_step();
+}
+
+bool Reducer::tracks_usage() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return usage_.tracking();
+}
+
+bool Reducer::should_rebuild_buckets() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return recorder_.pending();
+}
+
+std::vector<size_t> Reducer::ready_order() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return recorder_.ready_order();
+}
+
+std::vector<int64_t> Reducer::ready_groups() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return recorder_.ready_groups();
+}
+
+std::vector<StepTimeline> Reducer::timelines(size_t n) const {
+  std::vector<StepTimeline> steps;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    steps = timing_.last(n);
+  }
+  for (auto& step : steps) resolve_device_stamps(step);  // syncs device events; no lock held
+  return steps;
 }
 
 }  // namespace pycomm::reducer

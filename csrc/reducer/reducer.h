@@ -3,6 +3,14 @@
 // the end of backward that leaves every param.grad as torch's DDP would. Bucket layout is
 // bucket.h's; how a bucket is reduced is comm_hook.h's; this file owns when.
 //
+// Its state is split by feature into parts that own their fields, each with its file and
+// Note: the bucket layout (BucketLayout, bucket.h), parameter usage and static_graph's
+// hook counts (Usage, usage.h), the recorded step and the one rebuild (RebuildRecorder,
+// rebuild.h), fp32 main gradients (MainGrads, main_grad.h), step timing (StepTiming,
+// timeline.h). The Reducer itself owns the step's progress (state_, marked_, next_launch_),
+// the hooks, the extension points (comm hook, bucket callbacks, launch gate) and the lock;
+// in-place reduction (in_place.cpp) keeps its per-step state in each Bucket.
+//
 //   backward:  [grads of bucket 0 land][grads of bucket 1 land][grads of bucket 2 land]
 //   comm:                   [allreduce b0 ........][allreduce b1 .......][allreduce b2 ..]
 //   finalize:                                                     wait b0,b1,b2 -> grads
@@ -21,13 +29,12 @@
 #include "comm/c10d.h"
 #include "reducer/bucket.h"
 #include "reducer/comm_hook.h"
+#include "reducer/main_grad.h"
+#include "reducer/rebuild.h"
 #include "reducer/timeline.h"
+#include "reducer/usage.h"
 
 namespace pycomm::reducer {
-
-// shared_ptr<Node> before torch 2.12, intrusive_ptr<Node> since.
-using AccumulatorPtr =
-    decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 // Note [Reducer options]
 // The reducer's options are DDPConfig's fields of the same names (pycomm/config.py, which
@@ -114,7 +121,7 @@ class Reducer {
   // completed with the never-ready ones (reverse index order) so every rank has them all.
   std::vector<size_t> ready_order() const;
   // Per parameter, the gradient group it was in during the recorded step (See Note
-  // [Gradient groups] in groups.cpp): equal ids were produced by one autograd node.
+  // [Gradient groups] in rebuild.cpp): equal ids were produced by one autograd node.
   std::vector<int64_t> ready_groups() const;
 
   void set_comm_hook(std::unique_ptr<CommHook> hook);
@@ -131,7 +138,7 @@ class Reducer {
   }
 
   std::vector<StepTimeline> timelines(size_t n) const;
-  const std::vector<std::unique_ptr<Bucket>>& buckets() const { return buckets_; }
+  const std::vector<std::unique_ptr<Bucket>>& buckets() const { return layout_.buckets(); }
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<std::string>& names() const { return names_; }
   int64_t rank() const { return rank_; }
@@ -151,14 +158,17 @@ class Reducer {
   void reset_step();
   void begin_backward_locked();
   void mark_ready(size_t index, bool used);
+  void mark_counted();  // See Note [Static graph hook counts]
   void copy_into_bucket(Bucket& bucket, size_t slot);
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize_backward();
-  void end_recorded_step();
   void wait_bucket(Bucket& bucket);
   void finalize_bucket(Bucket& bucket);
   void fail_unready();
+  // A step that ends in an error or is abandoned: its collectives drained, its state and
+  // usage dropped.
+  void discard_step();
   std::string abandon_unfinished_step();
   void drain_launched() noexcept;
   std::string reduced_in_place_note() const;
@@ -171,20 +181,7 @@ class Reducer {
   bool qualifies_in_place(const Bucket& bucket, size_t slot) const;
   void leave_in_place(Bucket& bucket, size_t except);
   bool launches_in_place(Bucket& bucket);
-  void push_timeline(int64_t finalize_start_ns);
-  bool globally_unused(size_t index) const;
-  void find_unused(const std::vector<at::Tensor>& outputs);
-  void note_groups(const std::vector<at::Tensor>& outputs);  // groups.cpp
   void queue_finalize();
-  // static_graph (See Note [Static graph hook counts]).
-  bool counting_hooks() const { return options_.static_graph && track_used_; }
-  bool static_hook_pending(size_t index);
-  void mark_counted();
-  // main_grad.cpp (See Note [main_grad accumulation]).
-  void note_widened();
-  void accumulate_main_grad(size_t index);
-  bool finish_accumulated(size_t index, at::Tensor& view, bool divide);
-  std::vector<std::pair<size_t, at::Tensor>> save_accumulated() const;
   // deferred.cpp (See Note [Deferred launch]).
   bool divides_in_copy() const {
     return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
@@ -202,54 +199,35 @@ class Reducer {
   int64_t rank_ = 0;
   int64_t div_factor_ = 1;
   std::vector<std::pair<std::string, std::string>> peer_hosts_;
-
-  std::vector<std::unique_ptr<Bucket>> buckets_;
-  std::vector<std::pair<size_t, size_t>> locator_;  // param -> (bucket, slot)
   std::vector<AccumulatorPtr> accumulators_;
   std::vector<uintptr_t> hook_keys_;
   std::shared_ptr<Reducer*> self_;  // weak handle for hooks that may outlive us
 
+  // Extension points.
   std::unique_ptr<CommHook> hook_;
   bool python_hook_ = false;
   std::vector<BucketCallback> pre_launch_;
   std::vector<BucketCallback> post_done_;
   bool post_done_reads_buffer_ = false;
   LaunchGate gate_;
-  std::vector<uint8_t> widened_;  // param's bucket is wider than the param (grad_reduce_dtype)
-  std::vector<uint8_t> accumulated_;  // its bucket view holds an unreduced local sum
 
+  // The parts (see the top of this file); guarded by mutex_ like the rest.
+  BucketLayout layout_;
+  Usage usage_;
+  RebuildRecorder recorder_;
+  MainGrads main_grads_;
+  StepTiming timing_;
+
+  // The step's progress.
   mutable std::mutex mutex_;
   State state_ = State::kIdle;
-  size_t next_launch_ = 0;
-  std::vector<uint8_t> marked_;
-  std::vector<size_t> unused_;  // marked ready (zero) at backward start
+  size_t next_launch_ = 0;  // buckets launched so far, in index order (Note [Bucket order])
+  std::vector<uint8_t> marked_;  // per parameter: marked ready this step
   int64_t last_hooked_ = -1;  // the last parameter a hook marked ready this step
   bool finalize_queued_ = false;  // finalize_backward is queued on a graph task
-  // static_graph: gradient hooks seen per parameter this backward, and how many the first
-  // step saw (the parameter is ready at the last of them).
-  std::vector<int32_t> hook_counts_;
-  std::vector<int32_t> expected_hooks_;
   at::Tensor scale_;  // 1 / div_factor_, a wrapped scalar
   double scale_value_ = 1.0;  // the same, for stream_copy
-  int64_t step_ = 0;
-
-  // Usage tracking (find_unused_parameters, and the first step of static_graph).
-  bool track_used_ = false;
-  at::Tensor local_used_;  // int32 CPU, per parameter; summed across ranks
-  at::Tensor global_used_;  // the summed result of the last reduced step
-  FuturePtr used_future_;
-  std::vector<uint8_t> static_unused_;
-
-  bool rebuild_pending_ = false;
-  bool rebuilt_ = false;
-  bool record_order_ = true;
-  std::vector<size_t> order_;
-  std::vector<int64_t> groups_;  // of the recorded step; empty: each parameter alone
-
-  int64_t backward_start_ns_ = -1;
-  std::vector<int64_t> ready_ns_;
-  std::shared_ptr<DeviceStamps> stamps_;  // this step's device events; null on CPU
-  TimelineRing timeline_;
+  int64_t step_ = 0;  // synchronized steps finalized
 };
 
 }  // namespace pycomm::reducer

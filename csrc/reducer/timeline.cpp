@@ -1,4 +1,4 @@
-// Device stamps of the timeline (see Note [Timeline] in timeline.h).
+// The reducer's step timing and device stamps (see Note [Timeline] in timeline.h).
 #include "reducer/timeline.h"
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -41,6 +41,33 @@ void resolve_device_stamps(StepTimeline& step) {
     if (bucket.done_stamp >= 0) bucket.done_ns = ns.at(bucket.done_stamp);
   }
   step.device.reset();
+}
+
+void StepTiming::push(int64_t step_index, int64_t rank, const BucketLayout& layout,
+                      int64_t finalize_start_ns) {
+  StepTimeline step;
+  step.step = step_index;
+  step.rank = rank;
+  step.backward_start_ns = backward_start_ns_;
+  step.param_ready_ns = ready_ns_;
+  step.buckets.reserve(layout.size());
+  for (const auto& bucket : layout.buckets()) {
+    BucketTimes times;
+    times.index = static_cast<int64_t>(bucket->index);
+    times.nbytes = bucket->nbytes();
+    times.param_indices.assign(bucket->params.begin(), bucket->params.end());
+    times.ready_ns = bucket->ready_ns;
+    times.launch_ns = bucket->launch_ns;
+    times.done_ns = bucket->done_ns.load();
+    times.in_place = bucket->in_place;
+    times.ready_stamp = bucket->ready_stamp;
+    times.done_stamp = bucket->done_stamp.load();
+    step.buckets.push_back(std::move(times));
+  }
+  step.finalize_start_ns = finalize_start_ns;
+  step.finalize_end_ns = now_ns();
+  step.device = std::move(stamps_);
+  ring_.push(std::move(step));
 }
 
 }  // namespace pycomm::reducer

@@ -1,5 +1,5 @@
-// Per-step timing of the reducer (see Note [Timeline]): a bounded ring of the last steps.
-// Owns storage only; the reducer decides when to stamp.
+// Per-step timing of the reducer (see Note [Timeline]): this step's stamps and a bounded
+// ring of the last steps. StepTiming owns both; the reducer says when each event happens.
 #pragma once
 
 #include <c10/core/Device.h>
@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "reducer/bucket.h"
 
 namespace pycomm::reducer {
 
@@ -93,6 +95,50 @@ class TimelineRing {
  private:
   size_t capacity_;
   std::deque<StepTimeline> steps_;
+};
+
+// This step's stamps (backward start, each parameter's ready time, device events) and the
+// ring of finished steps. Everything but a bucket's ready/launch/done times (which skipped
+// buckets and failure messages use too) is taken only with record_timeline.
+class StepTiming {
+ public:
+  StepTiming(size_t count, bool record, size_t steps)
+      : record_(record), ready_ns_(count, -1), ring_(record ? steps : 0) {}
+
+  bool recording() const { return record_; }
+  void start_backward() {
+    if (backward_start_ns_ < 0) backward_start_ns_ = now_ns();
+  }
+  // The first parameter hook of a step whose buckets are on `device`.
+  void begin_step(c10::Device device) {
+    start_backward();
+    stamps_ = record_ && !device.is_cpu() ? std::make_shared<DeviceStamps>(device) : nullptr;
+  }
+  // A gradient hook of parameter `index`; `last` keeps the latest of several (static_graph).
+  void param_ready(size_t index, bool last = false) {
+    if (record_ && (last || ready_ns_[index] < 0)) ready_ns_[index] = now_ns();
+  }
+  void bucket_ready(Bucket& bucket) const {
+    bucket.ready_ns = now_ns();
+    if (stamps_) bucket.ready_stamp = stamps_->stamp();
+  }
+  // For the bucket's completion callback (null on CPU or without record_timeline).
+  const std::shared_ptr<DeviceStamps>& stamps() const { return stamps_; }
+  // The end of finalize: the step's record goes into the ring.
+  void push(int64_t step, int64_t rank, const BucketLayout& layout, int64_t finalize_start_ns);
+  // The last `n` steps, most recent last; device stamps still unresolved.
+  std::vector<StepTimeline> last(size_t n) const { return ring_.last(n); }
+  void reset_step() {
+    std::fill(ready_ns_.begin(), ready_ns_.end(), -1);
+    backward_start_ns_ = -1;
+  }
+
+ private:
+  bool record_;
+  int64_t backward_start_ns_ = -1;
+  std::vector<int64_t> ready_ns_;
+  std::shared_ptr<DeviceStamps> stamps_;  // this step's device events; null on CPU
+  TimelineRing ring_;
 };
 
 }  // namespace pycomm::reducer

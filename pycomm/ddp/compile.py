@@ -34,7 +34,7 @@ How dynamo's pieces relate to pycomm's buckets:
     buckets); with bucket_cap_mb=X the first piece is smaller than the first bucket.
   - after step 1 pycomm re-cuts its buckets in the gradient-ready order it observed and
     ends them only where a piece's burst of gradients ends (See Note [Gradient groups] in
-    csrc/reducer/groups.cpp): each bucket is then whole pieces, or a share of one piece
+    csrc/reducer/rebuild.cpp): each bucket is then whole pieces, or a share of one piece
     at least twice its cap, and launches as the last of its pieces finishes backward.
 
 Note [Refused split]

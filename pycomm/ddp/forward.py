@@ -59,7 +59,7 @@ class ForwardSync:
         """Once, after the first synchronized step: buckets re-cut in rank 0's observed
         gradient-ready order, a burst of gradients from one autograd node split across
         buckets only where each part fills one (See Note [Gradient groups] in
-        csrc/reducer/groups.cpp); broadcast, so every rank gets the same layout."""
+        csrc/reducer/rebuild.cpp); broadcast, so every rank gets the same layout."""
         if not self.reducer.should_rebuild_buckets():
             return False
         seen = torch.tensor([self.reducer.ready_order(), self.reducer.ready_groups()],

@@ -1,10 +1,10 @@
-// Which parameters' gradients become ready together: the gradient groups the one bucket
-// rebuild keeps whole (see assign_buckets in bucket.h). The traversal that finds unused
-// parameters is usage.cpp's.
+// The recorded step (see rebuild.h): its ready order, and which parameters' gradients
+// become ready together, the gradient groups the one bucket rebuild keeps whole (see
+// assign_buckets in bucket.h).
+#include "reducer/rebuild.h"
+
 #include <unordered_map>
 #include <unordered_set>
-
-#include "reducer/reducer.h"
 
 namespace pycomm::reducer {
 
@@ -32,12 +32,13 @@ namespace pycomm::reducer {
 // parameter, the node its gradient comes from; a parameter reached from several nodes,
 // or from none the outputs lead to (a reentrant checkpoint's nested backward), is a group
 // of its own.
-void Reducer::note_groups(const std::vector<at::Tensor>& outputs) {
+void RebuildRecorder::note_groups(const std::vector<at::Tensor>& outputs,
+                                  const std::vector<AccumulatorPtr>& accumulators) {
   using torch::autograd::Node;
   std::unordered_map<const Node*, size_t> param_of;
-  for (size_t i = 0; i < params_.size(); ++i) param_of[accumulators_[i].get()] = i;
-  std::vector<const Node*> producer(params_.size(), nullptr);
-  std::vector<uint8_t> several(params_.size(), 0);
+  for (size_t i = 0; i < count_; ++i) param_of[accumulators[i].get()] = i;
+  std::vector<const Node*> producer(count_, nullptr);
+  std::vector<uint8_t> several(count_, 0);
   std::unordered_set<const Node*> seen;
   std::vector<Node*> stack;
   for (const auto& out : outputs) {
@@ -62,9 +63,9 @@ void Reducer::note_groups(const std::vector<at::Tensor>& outputs) {
     }
   }
   std::unordered_map<const Node*, int64_t> id_of;
-  groups_.assign(params_.size(), 0);
+  groups_.assign(count_, 0);
   int64_t next_id = 0;
-  for (size_t i = 0; i < params_.size(); ++i) {
+  for (size_t i = 0; i < count_; ++i) {
     if (producer[i] == nullptr || several[i]) {
       groups_[i] = next_id++;
     } else {
@@ -75,10 +76,22 @@ void Reducer::note_groups(const std::vector<at::Tensor>& outputs) {
   }
 }
 
-std::vector<int64_t> Reducer::ready_groups() const {
-  std::lock_guard<std::mutex> lock(mutex_);
+std::vector<size_t> RebuildRecorder::ready_order() const {
+  std::vector<uint8_t> seen(count_, 0);
+  std::vector<size_t> order;
+  for (size_t index : order_) {
+    if (!seen[index]) order.push_back(index);
+    seen[index] = 1;
+  }
+  for (size_t i = count_; i-- > 0;) {
+    if (!seen[i]) order.push_back(i);
+  }
+  return order;
+}
+
+std::vector<int64_t> RebuildRecorder::ready_groups() const {
   if (!groups_.empty()) return groups_;
-  std::vector<int64_t> alone(params_.size());
+  std::vector<int64_t> alone(count_);
   for (size_t i = 0; i < alone.size(); ++i) alone[i] = static_cast<int64_t>(i);
   return alone;
 }
