@@ -132,11 +132,36 @@ void Channel::allreduce_whole(const Target& data, int64_t n, c10d::ReduceOp::Red
   });
 }
 
+namespace {
+
+// One chunk's own part of the pipelined all-reduce: `len` bytes at `begin` of the data,
+// summed over every rank's copy (this rank's in the data, a peer p's at peer(p)) into the
+// data and into `own`, this rank's slot, for the peers to copy out. With pieces, each
+// piece is reduced where it is, scaled as it is read (Note [Pieces all-reduce]).
+template <typename Data, typename PeerSlot>
+void reduce_part(const Data& data, c10d::ReduceOp::RedOpType op, size_t begin, size_t len,
+                 int world, int rank, char* own, const PeerSlot& peer,
+                 std::vector<const void*>& srcs) {
+  const c10::ScalarType dtype = data.dtype;
+  const size_t elem = c10::elementSize(dtype);
+  if (data.pieces != nullptr) {
+    data.pieces->each(begin, len, [&](char* piece, size_t o, size_t bytes) {
+      for (int p = 0; p < world; ++p) srcs[p] = p == rank ? piece : peer(p) + o;
+      sum_scaling_one(dtype, piece, srcs.data(), world, static_cast<int64_t>(bytes / elem), rank,
+                      data.scale, own + o);
+    });
+    return;
+  }
+  for (int p = 0; p < world; ++p) srcs[p] = p == rank ? data.data + begin : peer(p);
+  reduce_buffers(dtype, op, data.data + begin, srcs.data(), world, static_cast<int64_t>(len / elem),
+                 world, own);
+}
+
+}  // namespace
+
 void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                                   const OpContext& ctx) {
-  const c10::ScalarType dtype = data.dtype;
-  const bool pieces = data.pieces != nullptr;
-  const size_t elem = c10::elementSize(dtype);
+  const size_t elem = c10::elementSize(data.dtype);
   const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / elem);
   const int64_t chunks = (n + chunk - 1) / chunk;
   const uint32_t base = step_;
@@ -168,19 +193,9 @@ void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp:
     wait_peers(base + static_cast<uint32_t>(2 * k + 1), ctx);
     Parts ps = parts(k);
     const size_t off = ps.lo(rank_) * elem;
-    char* own = slot(rank_, k) + off;
-    if (pieces) {  // each piece of the own part: reduced where it is, scaled as it is read
-      data.pieces->each(at(k) + off, ps.len(rank_) * elem, [&](char* piece, size_t o, size_t len) {
-        for (int p = 0; p < world_; ++p) srcs[p] = p == rank_ ? piece : slot(p, k) + off + o;
-        sum_scaling_one(dtype, piece, srcs.data(), world_, static_cast<int64_t>(len / elem), rank_,
-                        data.scale, own + o);
-      });
-    } else {
-      for (int p = 0; p < world_; ++p)
-        srcs[p] = (p == rank_ ? data.data + at(k) : slot(p, k)) + off;
-      reduce_buffers(dtype, op, data.data + at(k) + off, srcs.data(), world_, ps.len(rank_), world_,
-                     own);
-    }
+    reduce_part(
+        data, op, at(k) + off, ps.len(rank_) * elem, world_, rank_, slot(rank_, k) + off,
+        [&](int p) { return slot(p, k) + off; }, srcs);
     publish(2 * k + 2);
   };
   auto copy_out = [&](int64_t k) {
