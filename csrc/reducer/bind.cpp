@@ -113,9 +113,10 @@ using ReducerHolder = std::unique_ptr<Reducer, ReleaseGilDelete>;
 void bind_bucket_norms(py::module& m);  // reducer/bucket_norms.cpp
 void bind_local_clip(py::module& m);    // reducer/local_clip.cpp
 
-void bind_reducer(py::module& m) {
-  bind_bucket_norms(m);
-  bind_local_clip(m);
+namespace {
+
+// The reducer's module-level functions and constants.
+void bind_reducer_functions(py::module& m) {
   m.def("_stream_copy", &reducer::stream_copy, py::arg("dst"), py::arg("src"),
         py::arg("scale") = std::nullopt,
         "The reducer's gradient copy with non-temporal stores (Note [Streaming copies]): "
@@ -126,6 +127,14 @@ void bind_reducer(py::module& m) {
         py::arg("byte_limits"), py::arg("groups") = std::vector<int64_t>{},
         "Greedy bucket assignment of params (in `order`) per (device, dtype), keeping "
         "gradient groups whole; see bucket.h.");
+}
+
+}  // namespace
+
+void bind_reducer(py::module& m) {
+  bind_bucket_norms(m);
+  bind_local_clip(m);
+  bind_reducer_functions(m);
   py::class_<Reducer, ReducerHolder>(m, "Reducer",
                                      "pycomm's C++ bucketed gradient reducer (see reducer.h)")
       .def(py::init([](std::vector<at::Tensor> params, std::vector<std::string> names,
