@@ -7,7 +7,15 @@ requirement: install with `pip install --no-build-isolation -e .` after torch.
 import glob
 import os
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError:  # pip's default build isolation: a fresh env without torch
+    raise SystemExit(
+        "pycomm's C++ extension is compiled against the torch you run, so torch is not a "
+        "build requirement and pip's isolated build environment lacks it. Install torch "
+        "first, then build without isolation:\n"
+        "    pip install torch ninja \"setuptools>=77\"\n"
+        "    pip install --no-build-isolation -e .") from None
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 

@@ -17,7 +17,15 @@ from contextlib import nullcontext
 from typing import Any, Union
 
 import torch
-from lightning.pytorch import LightningModule
+
+try:
+    from lightning.pytorch import LightningModule
+except ModuleNotFoundError as missing:
+    raise ModuleNotFoundError(
+        f"pycomm.lightning needs Lightning ({missing.name} is not installed): "
+        "pip install lightning, or pycomm's `integrations` extra "
+        "(pip install --no-build-isolation -e \".[integrations]\" from a clone)",
+        name=missing.name) from missing
 from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
