@@ -9,14 +9,13 @@ from ._version import __version__
 from .clip import clip_grad_norm_
 from .config import DDPConfig
 from .ddp import DistributedDataParallel
-from .ops import sum_squares
 from .patching import Patch, patch
 from .shm import register as _register_shm_backend
 
 _register_shm_backend()
 
 __all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "__version__", "clip_grad_norm_",
-           "patch", "sum_squares"]
+           "patch"]
 
 _LAZY_SUBMODULES = ("lightning",)  # import their library: only on first use
 

@@ -23,7 +23,7 @@ _RTOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 1e-5, torch.b
 @pytest.mark.parametrize("numel", [0, 1, 7, 4096, 1 << 16, (1 << 20) + 3])
 def test_sum_squares_matches_torch(device, dtype, numel):
     x = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(device, dtype)
-    got = pycomm.sum_squares(x)
+    got = pycomm.ops.sum_squares(x)
     assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert got.device == x.device and got.dim() == 0
     torch.testing.assert_close(got.double().cpu(), _reference_sum_squares(x).cpu(),
@@ -33,9 +33,9 @@ def test_sum_squares_matches_torch(device, dtype, numel):
 @pytest.mark.parametrize("device", DEVICES)
 def test_sum_squares_rejects_bad_input(device):
     with pytest.raises(RuntimeError, match="must be contiguous"):
-        pycomm.sum_squares(torch.randn(8, 8, device=device).t())
+        pycomm.ops.sum_squares(torch.randn(8, 8, device=device).t())
     with pytest.raises(RuntimeError, match="must be a floating-point tensor"):
-        pycomm.sum_squares(torch.ones(4, dtype=torch.int32, device=device))
+        pycomm.ops.sum_squares(torch.ones(4, dtype=torch.int32, device=device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
