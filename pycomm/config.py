@@ -7,7 +7,11 @@ them; torch's keyword arguments build the same object. Defaults live here only.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
+import inspect
+import textwrap
 from dataclasses import dataclass
 from typing import Optional
 
@@ -25,6 +29,9 @@ BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 
 @dataclass(frozen=True)
 class DDPConfig:
+    """pycomm's DistributedDataParallel options: torch's DDP arguments of the same names,
+    plus pycomm's own. `DistributedDataParallel(module, config=DDPConfig(...))`."""
+
     bucket_cap_mb: Optional[float] = None
     """Bucket size cap in MiB (None: 25, with a 1 MiB first bucket, as torch does). An
     explicit value also caps the first bucket."""
@@ -190,3 +197,32 @@ class DDPConfig:
 
     def replace(self, **changes) -> DDPConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal under it), read from the source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for stmt, after in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _document_fields(cls: type) -> None:
+    """Append every field, its default and its docstring to the class docstring, so that
+    help(DDPConfig) shows them (Python keeps attribute docstrings only in the source)."""
+    docs = _field_docs(cls)
+    lines = [inspect.cleandoc(cls.__doc__ or ""), "", "Fields:"]
+    for field in dataclasses.fields(cls):
+        lines.append(f"  {field.name} = {field.default!r}")
+        lines += ["      " + line for line in docs.get(field.name, "").splitlines()]
+    cls.__doc__ = "\n".join(lines)
+
+
+# Without the source (a frozen or stripped install) help() shows the summary only.
+with contextlib.suppress(OSError):
+    _document_fields(DDPConfig)

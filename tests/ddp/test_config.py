@@ -55,3 +55,17 @@ def _options_reach_the_reducer(rank, world_size):
 
 def test_the_reducer_reads_its_options_by_name_and_names_a_missing_one():
     run_ranks(_options_reach_the_reducer, 1)
+
+
+def test_help_shows_every_field_with_its_documentation():
+    import pydoc
+
+    from pycomm.config import _field_docs
+
+    text = pydoc.render_doc(pycomm.DDPConfig, renderer=pydoc.plaintext)
+    docs = _field_docs(pycomm.DDPConfig)
+    for field in dataclasses.fields(pycomm.DDPConfig):
+        assert field.name in docs, f"DDPConfig.{field.name} has no docstring under it"
+        first = " ".join(docs[field.name].split()[:6])
+        assert f"{field.name} = {field.default!r}" in text
+        assert first in " ".join(text.replace("|", " ").split()), field.name
