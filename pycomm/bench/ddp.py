@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -38,6 +39,8 @@ from ..config import DDPConfig
 from ..ddp import DistributedDataParallel as PycommDDP
 from ..overlap import write_chrome_trace
 from . import bucket_sweep, common
+from .collectives import UsageError
+from .collectives_run import _progress as _status_line
 from .models import MODELS, build_model, per_rank
 
 IMPLS = {
@@ -78,6 +81,7 @@ class Config:
     samples: int = 32  # the MLP's batch per rank
     clip: float = 0.0  # max_norm of each implementation's gradient clipping; 0: none
     trace: str = ""  # folder for each pycomm variant's Chrome trace of its last timed steps
+    progress: bool = False  # rank 0 says on stderr which model, variant and rep runs
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -198,6 +202,16 @@ def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     return [tuple(r) for r in t.tolist()]
 
 
+def _say(cfg: Config, text: str) -> None:
+    """Progress on rank 0's stderr: one self-erasing line on a terminal, else a line each."""
+    if not cfg.progress or dist.get_rank() != 0:
+        return
+    if sys.stderr.isatty():
+        _status_line(f"pycomm-bench ddp: {text}")
+    else:
+        print(f"# progress: {text}", file=sys.stderr, flush=True)
+
+
 def run_model(cfg: Config, name: str) -> list[Result]:
     module, x = build_model(name, cfg.samples)
     device = common.device_of(dist.get_backend())  # the rank's GPU under NCCL
@@ -205,6 +219,7 @@ def run_model(cfg: Config, name: str) -> list[Result]:
     variants = cfg.variants()
     runs = {}
     for variant in variants:
+        _say(cfg, f"{name}: building and warming up {variant}")
         model, ddp = _build(variant, module, cfg)
         opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
         for _ in range(cfg.warmup):
@@ -212,6 +227,7 @@ def run_model(cfg: Config, name: str) -> list[Result]:
         _timed(model, ddp, opt, x, 1, no_sync=True)  # a compiled no_sync step may recompile
         runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": [], "wire": []})
     for rep in range(cfg.reps):  # interleaved, alternating who goes first
+        _say(cfg, f"{name}: rep {rep + 1} of {cfg.reps} ({', '.join(variants)})")
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
         for variant in order:
             model, ddp, opt, samples = runs[variant]
@@ -369,20 +385,51 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     bucket_sweep.add_arguments(p)
 
 
-def main(ns: argparse.Namespace) -> int:
-    if ns.sweep_bucket_cap:
-        return bucket_sweep.main(ns)
-    impls = tuple(ns.impls.split(","))
-    unknown = sorted(set(impls) - set(IMPLS))
-    if unknown:
-        raise SystemExit(f"--impls: unknown {unknown}; expected some of {tuple(IMPLS)}")
+def _names(flag: str, text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise UsageError(flag, f"unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+                         f"choose from {', '.join(known)}")
+    return names
+
+
+def configure(ns: argparse.Namespace) -> Config:
+    """Every check of the command line, before any rank starts (a UsageError names the
+    flag)."""
+    models = _names("--models", ns.models, MODELS)
+    impls = _names("--impls", ns.impls, tuple(IMPLS))
+    for flag, value, low in (("--nproc", ns.nproc, 1), ("--reps", ns.reps, 1),
+                             ("--steps", ns.steps, 1), ("--warmup", ns.warmup, 0),
+                             ("--samples", ns.samples, 1), ("--threads", ns.threads, 0),
+                             ("--hosts", ns.hosts, 0), ("--ranks-per-host", ns.ranks_per_host, 1)):
+        if value < low:
+            raise UsageError(flag, f"must be at least {low}, got {value}")
+    for flag, value in (("--bucket-cap-mb", ns.bucket_cap_mb), ("--clip", ns.clip)):
+        if value < 0 or (flag == "--bucket-cap-mb" and value == 0):
+            raise UsageError(flag, f"must be positive, got {value:g}")
+    for flag, path in (("--json", ns.json), ("--trace", ns.trace)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            raise UsageError(flag, f"cannot write {path!r}: {folder} is not a writable folder")
     hosts = ""
     if ns.hosts:
         link = "unshaped" if ns.link_gbit is None else f"{ns.link_gbit:g} Gbit/s (tbf)"
         hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
-    cfg = Config(tuple(ns.models.split(",")), impls, ns.bucket_cap_mb, ns.warmup, ns.reps,
-                 ns.steps, ns.threads, ns.compile, ns.compile_backend, hosts, ns.samples,
-                 ns.clip, ns.trace)
+    return Config(models, impls, ns.bucket_cap_mb, ns.warmup, ns.reps, ns.steps, ns.threads,
+                  ns.compile, ns.compile_backend, hosts, ns.samples, ns.clip, ns.trace,
+                  progress=True)
+
+
+def main(ns: argparse.Namespace) -> int:
+    """0: measured; 2: bad arguments (one line naming the flag, before any rank starts)."""
+    if ns.sweep_bucket_cap:
+        return bucket_sweep.main(ns)
+    try:
+        cfg = configure(ns)
+    except UsageError as e:
+        print(f"pycomm-bench ddp: error: {e}", file=sys.stderr)
+        return 2
     if ns.hosts:
         backend, world = "gloo", ns.hosts * ns.ranks_per_host
         text, results = _run_on_hosts(cfg, ns)

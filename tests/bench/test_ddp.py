@@ -112,6 +112,28 @@ def test_trace_writes_each_pycomm_variants_last_steps(tmp_path):
         steps = {(e["pid"], e["args"]["step"]) for e in reduces}
         assert {pid for pid, _ in steps} == {0, 1} and len(steps) == 4, steps
         assert {e["args"]["in_place"] for e in reduces} == {in_place}, name
+    # Progress on stderr (not a terminal here: a line each), rank 0's only.
+    progress = [line for line in out.stderr.splitlines() if line.startswith("# progress:")]
+    assert progress == ["# progress: mlp: building and warming up torch",
+                        "# progress: mlp: building and warming up pycomm",
+                        "# progress: mlp: building and warming up pycomm_bucketed",
+                        "# progress: mlp: rep 1 of 1 (torch, pycomm, pycomm_bucketed)"], progress
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--models", "mlp,foo"], "--models: unknown 'foo'; choose from mlp, transformer"),
+    (["--impls", "torch,bar"], "--impls: unknown 'bar'; choose from torch, pycomm"),
+    (["--reps", "0"], "--reps: must be at least 1, got 0"),
+    (["--bucket-cap-mb", "0"], "--bucket-cap-mb: must be positive, got 0"),
+    (["--json", "/nonexistent/r.json"], "--json: cannot write '/nonexistent/r.json'"),
+])
+def test_bad_arguments_are_one_line_before_any_rank_starts(args, says):
+    out = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", *args],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pycomm-bench ddp: error: "), out.stderr
+    assert says in lines[0], lines[0]
 
 
 def test_cpu_by_thread_script_reports_every_part():
