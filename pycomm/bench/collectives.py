@@ -186,7 +186,8 @@ def _check_outputs(ns: argparse.Namespace) -> None:
             raise UsageError(f"--{flag}", f"cannot write {path!r}: {folder} is not a "
                              f"writable folder")
     if ns.plot and importlib.util.find_spec("matplotlib") is None:
-        raise UsageError("--plot", "needs matplotlib: pip install matplotlib (or pycomm[plot])")
+        raise UsageError("--plot",
+                         "needs matplotlib: pip install matplotlib (pycomm's `plot` extra)")
 
 
 def _probe_reductions(backend: str, ops: tuple[str, ...], dtypes: tuple[str, ...]) -> None:

@@ -1,4 +1,4 @@
-"""Timeline pictures of recorded steps (PNG, matplotlib: `pip install pycomm[plot]`).
+"""Timeline pictures of recorded steps (PNG; matplotlib, pycomm's `plot` extra).
 
 One panel per step, stacked with a shared time axis: a row for backward's compute (with a
 tick at each bucket's ready time), one row per bucket for its collective, a line at the
@@ -19,7 +19,7 @@ def require_matplotlib() -> Any:
         import matplotlib
     except ImportError:
         raise RuntimeError("drawing the timeline needs matplotlib: pip install matplotlib "
-                           "(or pycomm[plot])") from None
+                           "(pycomm's `plot` extra)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -52,7 +52,7 @@ def _sweep(rank, world_size, plot):
         # matplotlib is the optional `plot` extra: without it the table stands alone.
         assert said == (f"# timeline picture: {plot}" if HAVE_MATPLOTLIB else
                         "# no picture: drawing the timeline needs matplotlib: pip install "
-                        "matplotlib (or pycomm[plot])"), said
+                        "matplotlib (pycomm's `plot` extra)"), said
 
 
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

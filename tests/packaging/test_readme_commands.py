@@ -23,9 +23,9 @@ def test_ci_reads_the_two_quick_start_commands():
 
 def test_the_test_extra_installs_the_optional_extras():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
-        "optional-dependencies"]
-    assert "pycomm[plot,integrations]" in extras["test"], extras["test"]
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert f"{project['name']}[plot,integrations]" in extras["test"], extras["test"]
     assert extras["plot"] == ["matplotlib"]
 
 
@@ -45,3 +45,12 @@ def test_ci_runs_the_bare_pass_before_installing_any_system_package():
     assert script.index('eval "${commands[0]}"') < bare
     assert "apt-get" not in script[:bare], "a system package is installed before the bare pass"
     assert '"optional-dependencies"]["mpi"]' in script[bare:], "the mpi extra is not installed"
+
+
+def test_the_distribution_name_cannot_be_taken_for_another_project():
+    # "pycomm" on PyPI is an unrelated PLC library: the distribution has its own name, the
+    # import stays `pycomm`.
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "pycomm-dp", project["name"]
+    assert project["requires-python"] == ">=3.10", project["requires-python"]
