@@ -67,7 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"reduction(s), comma-separated: {', '.join(OPS)} or all (default sum)")
     p.add_argument("-d", "--dtype", default="float32",
                    help=f"type(s), comma-separated: {', '.join(DTYPES)} or all "
-                        f"(default float32)")
+                        f"(default float32); also "
+                        f"{', '.join(f'{a}={d}' for a, d in DTYPE_ALIASES.items())}")
     p.add_argument("-r", "--root", type=int, default=0,
                    help="root of broadcast and reduce (default 0)")
     p.add_argument("--ranks-avg", action="store_true",
