@@ -1,7 +1,7 @@
 // The CPU passes over a span list (span_list.h) behind the fused list ops, shared by the
 // op kernels (grad_cpu.cpp) and the eager clip path that builds its span list straight from
-// the parameters (clip_params_cpu.cpp). Fixed-size chunks of the virtual concatenation, so
-// results do not depend on the thread count.
+// the parameters (clip_params_cpu in clip_bind.cpp). Fixed-size chunks of the virtual
+// concatenation, so results do not depend on the thread count.
 #pragma once
 
 #include <c10/core/ScalarType.h>

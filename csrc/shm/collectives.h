@@ -4,13 +4,14 @@
 //
 // Note [Step counters]
 // Every rank owns one monotonically increasing step counter in shared memory. A round of
-// a collective: each rank writes its contribution into its own slot (slot = round % 2),
-// bumps its step and waits until every rank's step has reached the same value (a
-// "phase"), then reads what it needs from the others' slots. All ranks take the same
+// a collective: each rank writes its contribution into its own slot (slot = round %
+// kSlotsPerRank), bumps its step and waits until every rank's step has reached the same
+// value (a "phase"), then reads what it needs from the others' slots. All ranks take the same
 // phases in the same order, so equal step values mean equal progress. Two slots or more
-// per rank (rounds take them in turn) make the "done reading" signal unnecessary: a rank
-// rewrites the slot of round r at round r + 2 at the earliest, after it saw every rank
-// arrive in round r + 1, which each rank does only after it finished reading round r.
+// per rank (rounds take them in turn; segment.h has kSlotsPerRank = 4) make the "done
+// reading" signal unnecessary: with two, a rank rewrites the slot of round r at round r + 2
+// at the earliest, after it saw every rank arrive in round r + 1, which each rank does only
+// after it finished reading round r (more slots only put that reuse further away).
 #pragma once
 
 #include <c10/core/ScalarType.h>

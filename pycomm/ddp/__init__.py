@@ -12,6 +12,9 @@
   compat.py        what code written for torch's DDP (Lightning, Accelerate, the HF
                    Trainer, torch itself) reads off the module and its reducer
   compile.py       what torch.compile sees of the forward, the graph split at buckets
+  runtime.py       the reducer and what is rebuilt with it (ForwardSync, the clips),
+                   left out of pickling in one place
+  clip.py          the DDP clip (after the all-reduce) and the local clip (before it)
 
 Helpers are handed what they use (the reducer, the groups, a ForwardSync); none imports
 module.py (tests/packaging/test_import_cycles.py checks that no import cycle forms)."""
