@@ -33,9 +33,14 @@ class RankFailed(RuntimeError):
     """A rank raised, exited hard, or the run outlived its deadline."""
 
 
-def _entry(rank: int, fn: Callable, world_size: int, backend: str, store_path: str,
+def _entry(rank: int, fn: Callable, world_size: int, backend: str | None, store_path: str,
            group_timeout_s: float, threads: int, kwargs: dict[str, Any]) -> None:
     torch.set_num_threads(threads)
+    if backend is None:  # fn joins a group itself (a script as torchrun would run it)
+        fn(rank, world_size, **kwargs)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        return
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=group_timeout_s))
@@ -43,10 +48,13 @@ def _entry(rank: int, fn: Callable, world_size: int, backend: str, store_path: s
     dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int = 2, backend: str = "gloo", *,
+def run_ranks(fn: Callable, world_size: int = 2, backend: str | None = "gloo", *,
               group_timeout_s: float = 60.0, deadline_s: float = 300.0, threads: int = 1,
               **kwargs: Any) -> None:
-    """Run module-level `fn(rank, world_size, **kwargs)` on `world_size` ranks; raise on failure."""
+    """Run module-level `fn(rank, world_size, **kwargs)` on `world_size` ranks; raise on failure.
+
+    `backend=None`: no group is made for `fn`, which joins one itself (with
+    `set_launcher_env`'s variables, as a script under torchrun does)."""
     ctx = mp.get_context(_START_METHOD)
     if _START_METHOD == "forkserver":
         ctx.set_forkserver_preload(_PRELOAD)
@@ -88,6 +96,6 @@ def set_launcher_env(rank: int, world_size: int, port: int) -> None:
     (FileStore), and those libraries keep it; MASTER_PORT is a port found free at run
     time, so that nothing falls back to a fixed default."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0",
+                      LOCAL_WORLD_SIZE=str(world_size), NODE_RANK="0", GROUP_RANK="0",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS=str(torch.get_num_threads()))
