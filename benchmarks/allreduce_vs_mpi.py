@@ -7,8 +7,8 @@ call). Blocks alternate between implementations, each timed back to back (N call
 a barrier, timed in 10 chunks: time / calls of the median chunk) and per call (a barrier
 before each call, median); the figure per size is the median over `--reps` blocks, max
 over ranks. The load average is recorded after each round of blocks.
-`--breakdown` adds the layers of pycomm's call at sizes up to 4 KiB (README, "A small
-all-reduce, part by part").
+`--breakdown` adds the layers of pycomm's call at sizes up to 4 KiB (docs/collectives.md, "A
+small all-reduce, part by part").
 
     python benchmarks/allreduce_vs_mpi.py --reps 7 --breakdown \
         --json benchmarks/results/allreduce_vs_openmpi_run1.json

@@ -1,4 +1,4 @@
-"""The README's examples of "Is my communication overlapped?", on real steps: a report of
+"""The examples of docs/overlap.md ("Is my communication overlapped?"), on real steps: a report of
 the benchmark MLP's last step (2 local Gloo ranks) and a what-if table replaying it.
 
     python benchmarks/overlap_example.py [--trace PATH]

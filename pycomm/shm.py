@@ -185,7 +185,7 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
       while spinning and ``waits_slept`` only after sleeping in the kernel;
       ``waits_spun_through_wakeup``: spins prolonged because a peer was being woken;
     - ``spin_budget_ns``: the collectives' current spin budget, learned from the peers'
-      arrival times (README, "Waiting").
+      arrival times (docs/shm-backend.md, "Waiting").
 
     For the group pycomm's DDP reduces its gradients on, pass ``ddp.gradient_group``.
     """
@@ -207,9 +207,9 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp
     ``dist.ReduceOp.SUM``, ``AVG``, ``MAX``, ``MIN``, ``PRODUCT``) on a "pycomm" group
     without torch.distributed's layers: no Python wrapper, no dispatcher, no Work or
     future. For latency-critical small tensors (up to a few KiB it costs a fraction of
-    ``dist.all_reduce``: README, "A small all-reduce, part by part"). It keeps the issue
-    order with the group's other operations, whatever thread issued them, and raises what
-    ``dist.all_reduce`` raises; on another backend, or a group spanning hosts, it is
+    ``dist.all_reduce``: docs/collectives.md, "A small all-reduce, part by part"). It
+    keeps the issue order with the group's other operations, whatever thread issued them,
+    and raises what ``dist.all_reduce`` raises; on another backend, or a group spanning hosts, it is
     ``dist.all_reduce`` itself. See Note [Inline all-reduce] in csrc/shm/backend.cpp."""
     if group is None:
         group = dist.group.WORLD

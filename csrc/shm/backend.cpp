@@ -168,7 +168,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce(std::vector<at::Tensor>& te
 
 // Note [Inline all-reduce]
 // What a blocking dist.all_reduce costs beyond the exchange (torch's Python wrapper, the
-// dispatcher, a Work) is several times the exchange itself for small tensors (README,
+// dispatcher, a Work) is several times the exchange itself for small tensors (docs/collectives.md,
 // "A small all-reduce, part by part"). pycomm.shm.all_reduce comes straight here: when the
 // collectives' lane is idle the exchange runs on the calling thread with the lane held
 // (Executor::run_if_idle), so operations other threads issue meanwhile queue behind it as

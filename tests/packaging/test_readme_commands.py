@@ -25,7 +25,7 @@ def test_the_test_extra_installs_the_optional_extras():
     tomllib = pytest.importorskip("tomllib", reason="tomllib is Python >= 3.11")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert f"{project['name']}[plot,integrations]" in extras["test"], extras["test"]
+    assert f"{project['name']}[plot,integrations,docs]" in extras["test"], extras["test"]
     assert extras["plot"] == ["matplotlib"]
 
 
