@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "comm/op_label.h"
+
 #define PYCOMM_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -33,13 +35,17 @@ WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::Red
 
 // What a backend offers beyond c10d's API: an asynchronous sum all-reduce of several
 // tensors as one buffer (in list order), each rank's elements multiplied by `scale` first,
-// results written back in place (a DDP bucket reduced where its gradients are). pycomm's
-// shared-memory backend offers it (See Note [Pieces all-reduce] in shm/allreduce.cpp); the
-// reducer asks for it here and knows no backend by name.
+// results written back in place (a DDP bucket reduced where its gradients are), and a sum
+// all-reduce of one tensor; both carry `label`, which the backend compares across ranks
+// (See Note [Collective identity] in shm/collectives.cpp). pycomm's shared-memory backend
+// offers it (See Note [Pieces all-reduce] in shm/allreduce.cpp); the reducer asks for it
+// here and knows no backend by name.
 class PiecesAllreduce {
  public:
   virtual ~PiecesAllreduce() = default;
-  virtual WorkPtr allreduce_pieces(std::vector<at::Tensor> tensors, double scale) = 0;
+  virtual WorkPtr allreduce_pieces(std::vector<at::Tensor> tensors, double scale,
+                                   const OpLabel& label) = 0;
+  virtual WorkPtr allreduce_sum(at::Tensor tensor, const OpLabel& label) = 0;
 };
 
 // `backend` as a PiecesAllreduce, or null when it does not offer one.

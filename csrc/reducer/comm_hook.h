@@ -14,9 +14,10 @@ class CommHook {
  public:
   virtual ~CommHook() = default;
   // Start reducing `bucket` (all its gradients are in); the future completes with the
-  // reduced tensor (the bucket's buffer or a new tensor of the same numel).
-  virtual FuturePtr run(Bucket& bucket, size_t bucket_count,
-                        const std::vector<at::Tensor>& params) = 0;
+  // reduced tensor (the bucket's buffer or a new tensor of the same numel). `label` says
+  // which step and bucket it is, for a backend that compares it across ranks.
+  virtual FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
+                        const comm::OpLabel& label) = 0;
   // Whether the reducer pre-divides by the world size while copying into the bucket
   // (the default all-reduce) or leaves averaging to the hook (torch's hooks divide).
   virtual bool reducer_divides() const = 0;
@@ -25,7 +26,8 @@ class CommHook {
   virtual bool reduces_in_place() const { return false; }
   // Start the sum of every rank's `grads` (the bucket's, in slot order) times `scale`,
   // written back into them; the future completes when they hold it.
-  virtual FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale);
+  virtual FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
+                                 const comm::OpLabel& label);
 };
 
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
@@ -34,12 +36,13 @@ class CommHook {
 class AllreduceSumHook final : public CommHook {
  public:
   AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline);
-  FuturePtr run(Bucket& bucket, size_t bucket_count,
-                const std::vector<at::Tensor>& params) override;
+  FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
+                const comm::OpLabel& label) override;
   bool reducer_divides() const override { return true; }
   // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory).
   bool reduces_in_place() const override { return pieces_ != nullptr; }
-  FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale) override;
+  FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
+                         const comm::OpLabel& label) override;
 
  private:
   FuturePtr finish(const comm::WorkPtr& work);
@@ -55,8 +58,8 @@ class PythonCommHook final : public CommHook {
  public:
   PythonCommHook(pybind11::object state, pybind11::object hook);
   ~PythonCommHook() override;
-  FuturePtr run(Bucket& bucket, size_t bucket_count,
-                const std::vector<at::Tensor>& params) override;
+  FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
+                const comm::OpLabel& label) override;
   bool reducer_divides() const override { return false; }
 
  private:

@@ -69,6 +69,7 @@ void Reducer::finalize_backward() {
   recorder_.end_step();
   if (timing_.recording()) timing_.push(step_, rank_, layout_, finalize_start);
   ++step_;
+  forwards_ = 0;
 }
 
 // static_graph's first step: every parameter is marked ready now, at the end of backward,

@@ -205,9 +205,10 @@ void Reducer::launch(Bucket& bucket) {
   }
   for (auto& callback : pre_launch_) callback(bucket);
   bucket.launch_ns = now_ns();
+  const comm::OpLabel label{static_cast<int64_t>(bucket.index), forwards_, step_};
   FuturePtr future = launches_in_place(bucket)
-                         ? hook_->run_in_place(bucket, bucket.grads, scale_value_)
-                         : hook_->run(bucket, layout_.size(), params_);
+                         ? hook_->run_in_place(bucket, bucket.grads, scale_value_, label)
+                         : hook_->run(bucket, layout_.size(), params_, label);
   Bucket* target = &bucket;
   auto* callbacks = &post_done_;
   bucket.future = future->then(

@@ -3,6 +3,7 @@
 // (hook -> bucket -> launch), then finalize.cpp (wait -> grads); see reducer.h.
 #include "reducer/reducer.h"
 
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
 namespace pycomm::reducer {
@@ -144,6 +145,7 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
                 "DistributedDataParallel was constructed; wrap the module again");
   }
   reset_step();
+  ++forwards_;
   usage_.plan(outputs, accumulators_);
   recorder_.plan(outputs, accumulators_);
   std::weak_ptr<Reducer*> weak = self_;
@@ -160,6 +162,7 @@ std::string Reducer::prepare_no_sync() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
   state_ = State::kIdle;
+  if (c10::GradMode::is_enabled()) ++forwards_;  // a no_sync micro-step (not an evaluation)
   return note;
 }
 

@@ -228,6 +228,10 @@ class Reducer {
   at::Tensor scale_;  // 1 / div_factor_, a wrapped scalar
   double scale_value_ = 1.0;  // the same, for stream_copy
   int64_t step_ = 0;  // synchronized steps finalized
+  // Forwards with grad enabled (synchronized or under no_sync) since the last synchronized
+  // backward: part of each bucket's label (See Note [Collective identity] in
+  // shm/collectives.cpp).
+  int64_t forwards_ = 0;
 };
 
 }  // namespace pycomm::reducer

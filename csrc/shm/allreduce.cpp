@@ -104,6 +104,7 @@ void Channel::allreduce_pieces(const Pieces& data, c10::ScalarType dtype, double
 
 void Channel::allreduce_target(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                                const OpContext& ctx) {
+  start_op(OpKind::kAllreduce, data.dtype, n, ctx);
   const size_t bytes = n * c10::elementSize(data.dtype);
   if (bytes <= std::min(kWholeReduceBytes, segment_->slot_bytes())) {
     allreduce_whole(data, n, op, ctx);
@@ -186,11 +187,16 @@ void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp:
       const size_t off = ps.lo(p) * elem;
       if (p != rank_) data.take(mine + off, at(k) + off, ps.len(p) * elem);
     }
+    tag_round(static_cast<int>((first_round + k) % kSlotsPerRank));
     publish(2 * k + 1);
   };
   std::vector<const void*> srcs(world_);
   auto reduce_own = [&](int64_t k) {
     wait_peers(base + static_cast<uint32_t>(2 * k + 1), ctx);
+    if (k == 0) {  // every peer's first round is in: See Note [Collective identity]
+      slot_index_ = static_cast<int>(first_round % kSlotsPerRank);
+      check_identity(ctx);
+    }
     Parts ps = parts(k);
     const size_t off = ps.lo(rank_) * elem;
     reduce_part(

@@ -192,8 +192,23 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
   allreduce(tensors, opts)->wait();
 }
 
+// A DDP bucket's all-reduce through its buffer, with the reducer's label (See Note
+// [Collective identity] in collectives.cpp): the collective allreduce() runs.
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_sum(at::Tensor tensor,
+                                                         const comm::OpLabel& label) {
+  check_dense("all_reduce", tensor);
+  check_reduction("all_reduce", tensor.scalar_type(), c10d::ReduceOp::SUM);
+  auto body = [this, tensor, label](const OpContext& c) {
+    OpContext labelled = c;
+    labelled.label = label;
+    allreduce_body(tensor, c10d::ReduceOp::SUM, labelled);
+  };
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {tensor}, std::move(body), collectives_);
+}
+
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tensor> tensors,
-                                                            double scale) {
+                                                            double scale,
+                                                            const comm::OpLabel& label) {
   TORCH_CHECK_VALUE(!tensors.empty(), "pycomm all_reduce of pieces: no tensors");
   for (size_t i = 0; i < tensors.size(); ++i) {
     TORCH_CHECK_VALUE(tensors[i].defined(), "pycomm all_reduce of pieces: tensor ", i,
@@ -214,10 +229,12 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tens
   }
   TORCH_CHECK_VALUE(!any_overlap(tensors),
                     "pycomm all_reduce of pieces: two of the tensors share memory");
-  auto body = [this, tensors, dtype, scale](const OpContext& c) {
+  auto body = [this, tensors, dtype, scale, label](const OpContext& c) {
     Pieces pieces;
     for (const auto& t : tensors) pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
-    channel_->allreduce_pieces(pieces, dtype, scale, c);
+    OpContext labelled = c;
+    labelled.label = label;
+    channel_->allreduce_pieces(pieces, dtype, scale, labelled);
   };
   return enqueue("all_reduce", c10d::OpType::ALLREDUCE, tensors, std::move(body), collectives_);
 }

@@ -44,8 +44,11 @@ class ShmBackend : public c10d::Backend, public comm::PiecesAllreduce {
   // place: a DDP bucket reduced where its gradients are (See Note [Pieces all-reduce]).
   // The same collective as all_reduce of one tensor of their total size. Dense (each one's
   // bytes taken in memory order), non-overlapping float32 or float64 CPU tensors of one dtype.
-  c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors,
-                                                  double scale) override;
+  c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors, double scale,
+                                                  const comm::OpLabel& label) override;
+  // A sum all-reduce of `tensor`, as allreduce(), carrying the caller's label.
+  c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor tensor,
+                                               const comm::OpLabel& label) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors,

@@ -32,12 +32,26 @@ void bind_shm(pybind11::module& m) {
            "A blocking all_reduce in place with no Work (see pycomm.shm.all_reduce).")
       .def(
           "allreduce_pieces",
-          [](shm::ShmBackend& b, std::vector<at::Tensor> tensors, double scale) {
-            b.allreduce_pieces(std::move(tensors), scale)->wait();
+          [](shm::ShmBackend& b, std::vector<at::Tensor> tensors, double scale, int64_t bucket,
+             int64_t forwards, int64_t step) {
+            b.allreduce_pieces(std::move(tensors), scale, comm::OpLabel{bucket, forwards, step})
+                ->wait();
           },
-          py::arg("tensors"), py::arg("scale"), py::call_guard<py::gil_scoped_release>(),
+          py::arg("tensors"), py::arg("scale"), py::arg("bucket") = -1, py::arg("forwards") = 0,
+          py::arg("step") = 0, py::call_guard<py::gil_scoped_release>(),
           "Blocking: sum all-reduce of `tensors` as one buffer, each rank's elements times "
-          "`scale` first, results in place (the reducer's path; See Note [Pieces all-reduce]).")
+          "`scale` first, results in place (the reducer's path; See Note [Pieces all-reduce]), "
+          "labelled as the reducer labels a bucket's (See Note [Collective identity]).")
+      .def(
+          "allreduce_sum",
+          [](shm::ShmBackend& b, at::Tensor tensor, int64_t bucket, int64_t forwards,
+             int64_t step) {
+            b.allreduce_sum(std::move(tensor), comm::OpLabel{bucket, forwards, step})->wait();
+          },
+          py::arg("tensor"), py::arg("bucket") = -1, py::arg("forwards") = 0, py::arg("step") = 0,
+          py::call_guard<py::gil_scoped_release>(),
+          "Blocking: sum all-reduce of `tensor` in place, labelled as the reducer labels a "
+          "bucket's (See Note [Collective identity]).")
       .def("stats", &shm::ShmBackend::stats,
            "Counters since the group was created (see pycomm.shm.stats).")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),

@@ -2,9 +2,12 @@
 #include "shm/collectives.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
 #include <cstring>
+#include <sstream>
+#include <string>
 
 #include "shm/reduce_kernels.h"
 
@@ -33,9 +36,134 @@ Channel::Channel(std::unique_ptr<Segment> segment, int rank, bool spin)
       rank_(rank),
       world_(segment_->world()) {}
 
+// Note [Collective identity]
+// Ranks pair their collectives by issue order alone: a rank that skipped a DDP backward, or
+// ran a no_sync micro-step the others did not, reduces its step 2 with the others' step 1
+// and nothing fails until much later, if ever. So every round carries a tag in the rank's
+// RankCtl (one per slot, stored before the round's step is published): what the collective
+// is (kind, dtype, elements) and the caller's label (a DDP bucket's index, its rank's
+// synchronized step, and how many forwards with grad enabled it ran since its last
+// synchronized backward: see Reducer::launch). At the first phase of each collective, once
+// every peer has published that round, each rank compares every peer's tag with its own and
+// throws on a difference, naming itself and the peer and what each is at. Every rank sees
+// the same tags, so if any two differ every rank throws, at the same operation: the group
+// then fails as after any error. A tag lives as long as its slot's data: a peer rewrites
+// the tag of round r at round r + kSlotsPerRank at the earliest, after this rank arrived in
+// later rounds, which it does only after its check (See Note [Step counters]).
+// Compared: kind, dtype and elements always (an all-to-all's counts may differ, so they
+// are not); labels where both ranks have one (a joined rank's shadow all-reduce has none).
+// The cost is five relaxed stores per round and one cache line read per peer per
+// collective: no extra round, no extra wait.
+void Channel::start_op(OpKind kind, c10::ScalarType dtype, int64_t count, const OpContext& ctx) {
+  current_ = Identity{kind, dtype, count, ctx.label};
+  check_pending_ = true;
+}
+
+void Channel::tag_round(int slot) {
+  OpTag& tag = segment_->rank(rank_).tags[slot];
+  tag.what.store(static_cast<uint64_t>(current_.kind) |
+                     static_cast<uint64_t>(static_cast<uint8_t>(current_.dtype)) << 8,
+                 std::memory_order_relaxed);
+  tag.count.store(current_.count, std::memory_order_relaxed);
+  tag.bucket.store(current_.label.bucket, std::memory_order_relaxed);
+  tag.forwards.store(current_.label.forwards, std::memory_order_relaxed);
+  tag.step.store(current_.label.step, std::memory_order_relaxed);
+}
+
+namespace {
+
+const char* kind_name(OpKind kind) {
+  switch (kind) {
+    case OpKind::kBarrier: return "barrier";
+    case OpKind::kBroadcast: return "broadcast";
+    case OpKind::kAllreduce: return "all_reduce";
+    case OpKind::kReduce: return "reduce";
+    case OpKind::kAllgather: return "all_gather";
+    case OpKind::kReduceScatter: return "reduce_scatter";
+    case OpKind::kAlltoall: return "all_to_all";
+    case OpKind::kGather: return "gather";
+    case OpKind::kScatter: return "scatter";
+    case OpKind::kNone: break;
+  }
+  return "no collective";
+}
+
+// torch's Python name of the dtypes the reductions take (what users write).
+std::string dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Double: return "float64";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::Int: return "int32";
+    case c10::ScalarType::Long: return "int64";
+    default: return c10::toString(dtype);
+  }
+}
+
+Identity read_tag(const OpTag& tag) {
+  const uint64_t what = tag.what.load(std::memory_order_relaxed);
+  Identity id;
+  id.kind = static_cast<OpKind>(what & 0xff);
+  id.dtype = static_cast<c10::ScalarType>(static_cast<int8_t>((what >> 8) & 0xff));
+  id.count = tag.count.load(std::memory_order_relaxed);
+  id.label.bucket = tag.bucket.load(std::memory_order_relaxed);
+  id.label.forwards = tag.forwards.load(std::memory_order_relaxed);
+  id.label.step = tag.step.load(std::memory_order_relaxed);
+  return id;
+}
+
+bool same_collective(const Identity& a, const Identity& b) {
+  if (a.kind != b.kind || a.dtype != b.dtype) return false;
+  if (a.kind != OpKind::kAlltoall && a.count != b.count) return false;
+  if (!a.label.labelled() || !b.label.labelled()) return true;
+  return a.label.bucket == b.label.bucket && a.label.forwards == b.label.forwards;
+}
+
+std::string describe(const Identity& id) {
+  std::ostringstream out;
+  if (id.label.labelled()) {
+    out << "bucket " << id.label.bucket << " of its synchronized step " << id.label.step
+        << ", after " << id.label.forwards << " forward(s) with grad enabled since its last "
+        << "synchronized backward (";
+  }
+  out << kind_name(id.kind);
+  if (id.kind == OpKind::kBroadcast || id.kind == OpKind::kAllgather ||
+      id.kind == OpKind::kGather || id.kind == OpKind::kScatter) {
+    out << " of " << id.count << " bytes";
+  } else if (id.kind != OpKind::kBarrier && id.kind != OpKind::kAlltoall &&
+             id.kind != OpKind::kNone) {
+    out << " of " << id.count << " " << dtype_name(id.dtype) << " elements";
+  }
+  if (id.label.labelled()) out << ")";
+  return out.str();
+}
+
+}  // namespace
+
+void Channel::check_identity(const OpContext& ctx) {
+  check_pending_ = false;
+  for (int p = 0; p < world_; ++p) {
+    if (p == rank_) continue;
+    const Identity theirs = read_tag(segment_->rank(p).tags[slot_index_]);
+    if (same_collective(current_, theirs)) continue;
+    const bool steps = current_.label.labelled() && theirs.label.labelled();
+    C10_THROW_ERROR(DistBackendError,
+                    c10::str("pycomm ", ctx.op, " (operation #", ctx.seq, " on rank ", rank_,
+                             "): ranks ", rank_, " and ", p, " are in different collectives: rank ",
+                             rank_, " is at ", describe(current_), ", rank ", p, " at ",
+                             describe(theirs),
+                             steps ? ": a rank skipped a backward, ran a no_sync micro-step the "
+                                     "others did not, or ran a forward with grad enabled "
+                                     "that the others did not (evaluate under torch.no_grad())"
+                                   : ": the ranks issued different collectives in this order"));
+  }
+}
+
 char* Channel::begin_round() {
   slot_index_ = static_cast<int>(round_ % kSlotsPerRank);
   ++round_;
+  tag_round(slot_index_);
   return segment_->slot(rank_, slot_index_);
 }
 
@@ -45,6 +173,7 @@ void Channel::phase(const OpContext& ctx) {
   ++step_;
   Sync::publish(segment_->rank(rank_).step, step_);
   wait_peers(step_, ctx);
+  if (check_pending_) check_identity(ctx);  // See Note [Collective identity]
 }
 
 void Channel::wait_peers(uint32_t target, const OpContext& ctx) {
@@ -54,11 +183,13 @@ void Channel::wait_peers(uint32_t target, const OpContext& ctx) {
 }
 
 void Channel::barrier(const OpContext& ctx) {
+  start_op(OpKind::kBarrier, c10::ScalarType::Byte, 0, ctx);
   begin_round();
   phase(ctx);
 }
 
 void Channel::broadcast(char* data, size_t bytes, int root, const OpContext& ctx) {
+  start_op(OpKind::kBroadcast, c10::ScalarType::Byte, static_cast<int64_t>(bytes), ctx);
   const size_t chunk = segment_->slot_bytes();
   for (size_t off = 0; off < bytes; off += chunk) {
     size_t len = std::min(chunk, bytes - off);
@@ -71,6 +202,7 @@ void Channel::broadcast(char* data, size_t bytes, int root, const OpContext& ctx
 
 void Channel::reduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                      int root, const OpContext& ctx) {
+  start_op(OpKind::kReduce, dtype, n, ctx);
   reduce_parts(data, n, dtype, op, root, ctx);
 }
 
@@ -124,6 +256,7 @@ void Channel::reduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
 
 void Channel::allgather(const char* in, size_t bytes, const std::vector<char*>& outs,
                         const OpContext& ctx) {
+  start_op(OpKind::kAllgather, c10::ScalarType::Byte, static_cast<int64_t>(bytes), ctx);
   const size_t chunk = segment_->slot_bytes();
   for (size_t off = 0; off < bytes; off += chunk) {
     size_t len = std::min(chunk, bytes - off);
@@ -135,6 +268,7 @@ void Channel::allgather(const char* in, size_t bytes, const std::vector<char*>& 
 
 void Channel::reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
                              c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+  start_op(OpKind::kReduceScatter, dtype, n, ctx);
   const size_t elem = c10::elementSize(dtype);
   const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / world_ / elem);
   std::vector<const void*> srcs(world_);
@@ -169,6 +303,7 @@ size_t Channel::alltoall_rounds(const Split& send, size_t per_peer, const OpCont
 
 void Channel::alltoall(const char* in, const Split& send, char* out, const Split& recv,
                        const OpContext& ctx) {
+  start_op(OpKind::kAlltoall, c10::ScalarType::Byte, 0, ctx);
   const size_t per_peer = align_down(segment_->slot_bytes() / world_, kCacheLine);
   const size_t rounds = alltoall_rounds(send, per_peer, ctx);
   auto piece = [&](size_t total, size_t r) {

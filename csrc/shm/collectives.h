@@ -71,6 +71,28 @@ struct Pieces {
   }
 };
 
+// The collectives, as their rounds' tags name them (See Note [Collective identity]).
+enum class OpKind : uint8_t {
+  kNone,
+  kBarrier,
+  kBroadcast,
+  kAllreduce,
+  kReduce,
+  kAllgather,
+  kReduceScatter,
+  kAlltoall,
+  kGather,
+  kScatter,
+};
+
+// What this rank's current collective is: compared with every peer's at its first phase.
+struct Identity {
+  OpKind kind = OpKind::kNone;
+  c10::ScalarType dtype = c10::ScalarType::Byte;
+  int64_t count = 0;  // elements of dtype; 0 where ranks may differ (all-to-all)
+  comm::OpLabel label;
+};
+
 class Channel {
  public:
   Channel(std::unique_ptr<Segment> segment, int rank, bool spin);
@@ -115,6 +137,12 @@ class Channel {
   }
 
  private:
+  // The collective `ctx` runs now is `kind` of `count` elements of `dtype`: tagged on each
+  // of its rounds and checked against the peers' at its first phase.
+  void start_op(OpKind kind, c10::ScalarType dtype, int64_t count, const OpContext& ctx);
+  void tag_round(int slot);
+  // Throw, naming both ranks, when a peer's tag of the current round differs from ours.
+  void check_identity(const OpContext& ctx);
   char* begin_round();
   char* peer_slot(int peer) const;
   void phase(const OpContext& ctx);
@@ -142,6 +170,8 @@ class Channel {
   uint32_t step_ = 0;
   uint64_t round_ = 0;
   int slot_index_ = 0;
+  Identity current_;
+  bool check_pending_ = false;  // the current collective's first phase is still to come
 };
 
 }  // namespace pycomm::shm

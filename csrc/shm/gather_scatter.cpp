@@ -12,6 +12,7 @@ namespace pycomm::shm {
 // root copies its own bytes straight from `in`.
 void Channel::gather(const char* in, size_t bytes, const std::vector<char*>& outs, int root,
                      const OpContext& ctx) {
+  start_op(OpKind::kGather, c10::ScalarType::Byte, static_cast<int64_t>(bytes), ctx);
   const size_t chunk = segment_->slot_bytes();
   for (size_t off = 0; off < bytes; off += chunk) {
     const size_t len = std::min(chunk, bytes - off);
@@ -30,6 +31,7 @@ void Channel::gather(const char* in, size_t bytes, const std::vector<char*>& out
 // lines, at offset rank * piece); the root copies its own piece straight from ins[root].
 void Channel::scatter(const std::vector<const char*>& ins, char* out, size_t bytes, int root,
                       const OpContext& ctx) {
+  start_op(OpKind::kScatter, c10::ScalarType::Byte, static_cast<int64_t>(bytes), ctx);
   const size_t piece = segment_->slot_bytes() / world_ / kCacheLine * kCacheLine;
   for (size_t off = 0; off < bytes; off += piece) {
     const size_t len = std::min(piece, bytes - off);

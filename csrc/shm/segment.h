@@ -4,7 +4,8 @@
 // Note [Segment layout]
 //   Header | RankCtl x world | MailCtl x world^2 | slots: world x kSlotsPerRank x slot_bytes
 //          | mailboxes: world^2 x mailbox_bytes
-// Each rank writes only its own RankCtl and its own slots; every rank reads all of them.
+// Each rank writes only its own RankCtl (its step counter, pid, and a tag per slot: Note
+// [Collective identity] in collectives.cpp) and its own slots; every rank reads all of them.
 // A mailbox (src -> dst) is written by src and read by dst (send/recv).
 #pragma once
 
@@ -32,9 +33,20 @@ struct alignas(kCacheLine) Signal {
   std::atomic<int64_t> published_ns;
 };
 
+// What one round of a rank belongs to (See Note [Collective identity] in collectives.cpp):
+// stored before the round's step is published, read by the peers once they have seen it.
+struct OpTag {
+  std::atomic<uint64_t> what;  // the collective's kind | dtype << 8
+  std::atomic<int64_t> count;  // its elements (bytes, for data movement)
+  std::atomic<int64_t> bucket;  // the caller's label (comm::OpLabel)
+  std::atomic<int64_t> forwards;
+  std::atomic<int64_t> step;
+};
+
 struct alignas(kCacheLine) RankCtl {
   Signal step;            // See Note [Step counters]
   std::atomic<int32_t> pid;
+  OpTag tags[kSlotsPerRank];  // one per slot: a round's tag lives as long as its data
 };
 
 struct alignas(kCacheLine) MailCtl {

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "comm/op_label.h"
 #include "shm/segment.h"
 
 namespace pycomm::shm {
@@ -25,6 +26,8 @@ struct OpContext {
   // The thread running the operation would block anyway (not a lane's worker): it may
   // spin longer (See Note [Adaptive spin]).
   bool patient = false;
+  // What the caller says this collective reduces (a DDP bucket's), compared across ranks.
+  comm::OpLabel label;
 };
 
 // `value` has reached `target` (modular: counters wrap around 2^32).
