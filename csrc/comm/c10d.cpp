@@ -28,6 +28,18 @@ PiecesAllreduce* pieces_allreduce(const c10::intrusive_ptr<c10d::Backend>& backe
   return dynamic_cast<PiecesAllreduce*>(backend.get());
 }
 
+std::string error_message(const c10::ivalue::Future& future) {
+  try {
+    std::rethrow_exception(future.exception_ptr());
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op) {
   TORCH_CHECK(pg, "start_allreduce: process group is null");
   std::vector<at::Tensor> tensors{tensor};

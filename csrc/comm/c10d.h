@@ -33,6 +33,10 @@ c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg);
 // Launch an asynchronous all-reduce of `tensor` in place on `pg`; the caller waits.
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op);
 
+// The error a failed future holds, as a user reads it: a c10::Error's message without the
+// C++ backtrace torch appends to what() (tens of "frame #" lines inside pycomm's messages).
+std::string error_message(const c10::ivalue::Future& future);
+
 // What a backend offers beyond c10d's API: an asynchronous sum all-reduce of several
 // tensors as one buffer (in list order), each rank's elements multiplied by `scale` first,
 // results written back in place (a DDP bucket reduced where its gradients are), and a sum

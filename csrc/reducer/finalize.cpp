@@ -86,7 +86,7 @@ void Reducer::wait_bucket(Bucket& bucket) {
   if (bucket.skipped) return;
   bucket.future->wait();
   if (!bucket.future->hasError()) return;
-  std::string error = bucket.future->tryRetrieveErrorMessage();
+  std::string error = comm::error_message(*bucket.future);
   const size_t failed = bucket.index;
   const std::string members = describe_params(bucket, names_);
   const int64_t nbytes = bucket.nbytes();
@@ -176,7 +176,7 @@ std::string Reducer::abandon_unfinished_step() {
   for (size_t b = 0; b < launched; ++b) {
     const FuturePtr& future = layout_[b].future;
     if (future && future->hasError()) {
-      const std::string error = future->tryRetrieveErrorMessage();
+      const std::string error = comm::error_message(*future);
       discard_step();
       state_ = State::kIdle;
       TORCH_CHECK(false, note.str(), ". Waiting for the collective of bucket ", b,
@@ -194,17 +194,28 @@ std::string Reducer::abandon_unfinished_step() {
 
 // For a step that ends in an error: which launched buckets were reduced in place, so that
 // their param.grad already holds the reduced values while the others' hold local ones.
+// A failed bucket reduced in place is named apart: its collective may have written part of
+// the sums before it failed.
 std::string Reducer::reduced_in_place_note() const {
-  std::ostringstream out;
-  size_t count = 0;
+  std::ostringstream done, failed;
   for (size_t b = 0; b < next_launch_; ++b) {
-    if (!layout_[b].in_place || layout_[b].skipped) continue;
-    out << (count++ ? ", " : "") << b;
+    const Bucket& bucket = layout_[b];
+    if (!bucket.in_place || bucket.skipped) continue;
+    std::ostringstream& out = bucket.future && bucket.future->hasError() ? failed : done;
+    out << (out.tellp() > 0 ? ", " : "") << b;
   }
-  if (count == 0) return "";
-  return "; the gradients of bucket(s) " + out.str() +
-         ", reduced in place (Note [Gradients reduced in place]), are already the reduced "
-         "ones in param.grad";
+  std::string note;
+  if (done.tellp() > 0) {
+    note += "; the gradients of bucket(s) " + done.str() +
+            ", reduced in place (Note [Gradients reduced in place]), are already the reduced "
+            "ones in param.grad";
+  }
+  if (failed.tellp() > 0) {
+    note += "; bucket(s) " + failed.str() +
+            ", reduced in place, failed partway: their param.grad may hold partly reduced "
+            "values";
+  }
+  return note;
 }
 
 void Reducer::drain_launched() noexcept {

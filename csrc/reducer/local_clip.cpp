@@ -98,8 +98,7 @@ class LocalClip {
     auto future = comm::start_allreduce(pg_, flags, c10d::ReduceOp::SUM)->getFuture();
     future->wait();
     TORCH_CHECK(!future->hasError(), "pycomm DDP local clipping (rank ", rank,
-                "): the all-reduce of the non-finite flags failed: ",
-                future->tryRetrieveErrorMessage());
+                "): the all-reduce of the non-finite flags failed: ", comm::error_message(*future));
     const at::Tensor host = flags.to(at::kCPU);
     const float* flag = host.data_ptr<float>();
     std::ostringstream bad;

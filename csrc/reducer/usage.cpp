@@ -85,7 +85,7 @@ void Usage::wait_sum() {
   if (!future_) return;
   future_->wait();
   TORCH_CHECK(!future_->hasError(), "pycomm DDP (rank ", rank_,
-              "): the all-reduce of parameter usage failed: ", future_->tryRetrieveErrorMessage());
+              "): the all-reduce of parameter usage failed: ", comm::error_message(*future_));
   global_ = result_tensor(future_->value()).to(at::kCPU);
   local_.zero_();
 }
