@@ -26,6 +26,12 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 BROADCAST_BUCKET_BYTES = 250 * 1024 * 1024
 """Chunk size of the construction-time broadcast of module states (torch's value)."""
 
+PER_RANK = {"per_rank": True}
+"""Field metadata of the options that may differ across ranks: they change how a rank
+copies, records or schedules its own work, never which collectives the ranks run
+together. Every other option must be the same on every rank (bucket caps excepted: rank
+0's are adopted), which DistributedDataParallel checks at construction."""
+
 
 @dataclass(frozen=True)
 class DDPConfig:
@@ -43,7 +49,7 @@ class DDPConfig:
     """Traverse the autograd graph from the outputs each forward; parameters outside it
     contribute zeros and, when unused on every rank, keep their .grad untouched."""
 
-    gradient_as_bucket_view: bool = False
+    gradient_as_bucket_view: bool = dataclasses.field(default=False, metadata=PER_RANK)
     """param.grad IS a view into its bucket's flat buffer (no copy back after reduction)."""
 
     static_graph: bool = False
@@ -63,11 +69,11 @@ class DDPConfig:
     are). torch turns it off when only broadcast_buffers=False is passed (each rank keeps
     its own BatchNorm statistics), and keeps it on with forward_sync_buffers=False."""
 
-    record_timeline: bool = True
+    record_timeline: bool = dataclasses.field(default=True, metadata=PER_RANK)
     """Record per-step timing (see Note [Timeline] in csrc/reducer/timeline.h): backward
     start, each parameter's ready time, each bucket's ready/launch/done, finalize."""
 
-    timeline_steps: int = 64
+    timeline_steps: int = dataclasses.field(default=64, metadata=PER_RANK)
     """How many of the most recent steps the timeline ring keeps."""
 
     grad_reduce_dtype: Optional[torch.dtype] = None
@@ -88,7 +94,7 @@ class DDPConfig:
     static_graph to know what is unused). Every rank must have the same unused set, as
     torch requires: otherwise the ranks launch different collectives."""
 
-    batched_grad_copy: bool = False
+    batched_grad_copy: bool = dataclasses.field(default=False, metadata=PER_RANK)
     """torch's option: grads are copied into their bucket all at once when it is complete
     (one _foreach_copy_ per bucket) and the bucket divided once by the world size, instead
     of one scaled copy per parameter. Same numbers as torch in that mode (x / n)."""
@@ -109,7 +115,7 @@ class DDPConfig:
     links. Needs shared_memory_gradients. False keeps the flat Gloo all-reduce. One rank
     per host, or hosts with different numbers of ranks: flat Gloo either way."""
 
-    inline_collectives: bool = False
+    inline_collectives: bool = dataclasses.field(default=False, metadata=PER_RANK)
     """Run each bucket's default all-reduce on the backward thread as the bucket completes,
     instead of on a communication thread (see Note [Inline collectives] in
     csrc/reducer/launch.cpp); comm hooks stay asynchronous. Meant for gradients over the
@@ -118,14 +124,14 @@ class DDPConfig:
     default: each bucket then also waits for the slowest rank to reach it, which costs
     more than it saves on compute-heavy steps and on a machine shared with other work
     (see benchmarks/results/ddp_inline_collectives_2ranks_cpu.md)."""
-    streaming_copies: bool = True
+    streaming_copies: bool = dataclasses.field(default=True, metadata=PER_RANK)
     """Where a bucket is not reduced in place (in_place_reduction): copy gradients of 256 KiB
     and more into their bucket (and the reduced values back into param.grad) with
     non-temporal stores, which neither read the destination first nor keep it in cache:
     about 40% less CPU per copied byte here, bitwise the same values (See Note [Streaming
     copies] in csrc/reducer/stream_copy.cpp). False copies with ATen, which can pay on a
     CPU whose cache holds a whole bucket until its collective reads it."""
-    in_place_reduction: bool = True
+    in_place_reduction: bool = dataclasses.field(default=True, metadata=PER_RANK)
     """Over pycomm's shared-memory group, all-reduce each bucket's gradients where they are
     (read from param.grad, scaled by 1/world as they are read, the sums written back)
     instead of copying them into the bucket and the result back out: two passes over the
@@ -134,7 +140,7 @@ class DDPConfig:
     buffer). DistributedDataParallel.clip_grad_norm_ then sums its norm per gradient rather
     than per bucket buffer, which can move the norm's last bit. False always reduces
     through the bucket, as torch's DDP does."""
-    main_grad_only: bool = False
+    main_grad_only: bool = dataclasses.field(default=False, metadata=PER_RANK)
     """With grad_reduce_dtype: the reduced gradient of a bf16/fp16 parameter is left in
     param.main_grad (wide dtype) only and param.grad stays None, for an optimizer keeping
     fp32 master weights that reads main_grad (no rounding to the parameter's dtype, no

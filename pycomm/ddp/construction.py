@@ -6,6 +6,7 @@ args.py's, the module that calls these is module.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import warnings
 from typing import NamedTuple, Optional
@@ -89,12 +90,30 @@ def placement(module: nn.Module, named_params: NamedParams, device_ids, output_d
     return Placement(device, ids, output)
 
 
-def agreed_bucket_caps(config: DDPConfig, group: dist.ProcessGroup) -> DDPConfig:
-    """`config` with rank 0's bucket caps. torch's DDP adopts rank 0's bucket layout, so
-    ranks given different bucket_cap_mb / bucket_cap_mb_list train there; here every rank
-    takes rank 0's caps before its first layout, and warns once, naming each rank's caps,
-    when they differ. Collective over `group`."""
-    everyone = all_gather_object((config.bucket_cap_mb, config.bucket_cap_mb_list), group=group)
+_CAPS = ("bucket_cap_mb", "bucket_cap_mb_list")
+
+
+def agreed_config(config: DDPConfig, group: dist.ProcessGroup) -> DDPConfig:
+    """`config` as every rank agrees it, before any other collective of the construction.
+    The bucket caps: torch's DDP adopts rank 0's bucket layout, so ranks given different
+    bucket_cap_mb / bucket_cap_mb_list train there; here every rank takes rank 0's caps,
+    and warns once, naming each rank's caps, when they differ. Any other option that
+    differs, except the per-rank ones (config.PER_RANK), would make the ranks run different
+    collectives: a ValueError on every rank names each such option and every rank's value.
+    Collective over `group`."""
+    mine = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+            if not f.metadata.get("per_rank")}
+    everyone = all_gather_object(mine, group=group)
+    differ = [name for name in mine if name not in _CAPS
+              and any(other[name] != everyone[0][name] for other in everyone)]
+    if differ:
+        shown = "; ".join(f"{name} (" + ", ".join(
+            f"rank {r}: {other[name]!r}" for r, other in enumerate(everyone)) + ")"
+            for name in differ)
+        raise ValueError(f"DistributedDataParallel: the ranks' options differ: {shown}. Pass "
+                         f"the same options on every rank: these decide which collectives "
+                         f"the ranks run together")
+    everyone = [tuple(other[name] for name in _CAPS) for other in everyone]
     if all(caps == everyone[0] for caps in everyone):
         return config
     shown = "; ".join(f"rank {r}: {_caps_text(c)}" for r, c in enumerate(everyone))

@@ -64,6 +64,8 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             init_sync=init_sync, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
             batched_grad_copy=batched_grad_copy)
         self.process_group = resolve_group(process_group, device_mesh)
+        # before any other collective: options that differ would desynchronize them
+        self.config = construction.agreed_config(self.config, self.process_group)
         if device_mesh is not None and device_mesh._get_root_mesh() != device_mesh:
             # A data-parallel slice of a larger mesh: torch turns tensor-parallel (DTensor)
             # parameters into local tensors first; pycomm does the same, with torch's helper.
@@ -89,7 +91,6 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             buffers = self._buffers_to_sync() if self.config.init_sync_buffers else []
             construction.verify_and_sync_states(self.process_group, self._params_to_sync(),
                                                 buffers)
-        self.config = construction.agreed_bucket_caps(self.config, self.process_group)
         self._build_reducer()
 
     # ---- construction (see construction.py) ------------------------------------------
