@@ -140,6 +140,12 @@ def verify_and_sync_states(group: dist.ProcessGroup, params: NamedParams,
         if other == gathered[0]:
             continue
         for a, b in itertools.zip_longest(gathered[0], other):
+            if a is None or b is None:  # one rank has more: name the first extra one
+                raise RuntimeError(
+                    f"DDP expects the same parameters on every rank: rank 0 has "
+                    f"{len(gathered[0])} parameters to reduce, rank {rank} has {len(other)}; "
+                    f"the first beyond the shorter list: {a if b is None else b} on rank "
+                    f"{0 if b is None else rank} (name, shape, dtype)")
             if a != b:
                 raise RuntimeError(f"DDP expects the same parameters on every rank: rank 0 "
                                    f"has {a}, rank {rank} has {b} (name, shape, dtype)")

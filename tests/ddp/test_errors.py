@@ -52,6 +52,10 @@ def _usage_errors(rank, world_size):
     # A shape mismatch across ranks is an error naming the parameter on every rank.
     mismatched = nn.Linear(3, 2 + rank)
     _raises(RuntimeError, r"rank 0 has \('weight', \(2, 3\)", DDP, mismatched)
+    # a parameter more on rank 1: counted and named, not "rank 0 has None"
+    extra = nn.Sequential(nn.Linear(3, 2), *([nn.Linear(2, 2)] if rank == 1 else []))
+    _raises(RuntimeError, r"rank 0 has 2 parameters to reduce, rank 1 has 4; the first beyond "
+            r"the shorter list: \('1\.weight', \(2, 2\), 'torch\.float32'\) on rank 1", DDP, extra)
     dist.barrier()
 
 
