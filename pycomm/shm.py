@@ -189,16 +189,43 @@ def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:
 
     For the group pycomm's DDP reduces its gradients on, pass ``ddp.gradient_group``.
     """
+    return dict(_shm_backend("stats", group).stats())
+
+
+def flight_record(group: dist.ProcessGroup | None = None) -> list[dict]:
+    """This rank's last operations (up to 2048) on a "pycomm" group (default: the world
+    group), oldest first, each a dict: ``seq`` (the operation number pycomm's errors give
+    as "#N"), ``op``, ``bytes``, ``dtype``, for pycomm's DDP buckets ``bucket``, ``step``
+    and ``forwards`` (-1, 0, 0 otherwise), ``state`` (queued, started, completed, failed),
+    ``queued_ns`` / ``started_ns`` / ``ended_ns`` (wall clock, ns; 0 where not reached) and
+    the ``error`` of a failed one. For the group pycomm's DDP reduces its gradients on,
+    pass ``ddp.gradient_group``. See Note [Flight recorder] in csrc/shm/flight.cpp.
+    """
+    return list(_shm_backend("flight_record", group).flight_record())
+
+
+def dump_flight_record(directory: str, group: dist.ProcessGroup | None = None) -> str:
+    """Write this rank's flight record of a "pycomm" group into `directory` (JSON, named
+    after the group's segment and the rank, as the backend names the file it writes by
+    itself at the group's first failure when $PYCOMM_FLIGHT_RECORD_DIR is set); returns its
+    path. `python -m pycomm.flight_record DIRECTORY` merges the ranks' files."""
+    backend = _shm_backend("dump_flight_record", group)
+    path = os.path.join(directory, backend.flight_record_name())
+    backend.dump_flight_record(path)
+    return path
+
+
+def _shm_backend(what: str, group: dist.ProcessGroup | None) -> _C.ShmBackend:
     group = group if group is not None else dist.group.WORLD
     if group is None:
-        raise RuntimeError("pycomm.shm.stats: torch.distributed is not initialized")
+        raise RuntimeError(f"pycomm.shm.{what}: torch.distributed is not initialized")
     backend = group._get_backend(torch.device("cpu"))
     if isinstance(backend, _C.HierBackend):  # a group over hosts: its shared-memory part
         backend = backend.local
     if not isinstance(backend, _C.ShmBackend):
-        raise ValueError(f"pycomm.shm.stats: group {group.group_name!r} uses backend "
+        raise ValueError(f"pycomm.shm.{what}: group {group.group_name!r} uses backend "
                          f"{dist.get_backend(group)!r}, not {BACKEND_NAME!r}")
-    return dict(backend.stats())
+    return backend
 
 
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,

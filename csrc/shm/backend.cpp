@@ -5,6 +5,9 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
 #include <thread>
 
 #include "shm/reduce_kernels.h"
@@ -48,7 +51,7 @@ Split splits(const char* op, const at::Tensor& t, const std::vector<int64_t>& si
 
 ShmBackend::ShmBackend(const std::string& name, int rank, int size,
                        std::chrono::milliseconds timeout, bool create)
-    : c10d::Backend(rank, size), timeout_(timeout) {
+    : c10d::Backend(rank, size), name_(name), timeout_(timeout) {
   auto segment = std::make_unique<Segment>(name, rank, size, kSlotBytes, kMailboxBytes, create);
   // Spinning pays only when every rank can have a core of its own.
   bool spin = static_cast<unsigned>(size) <= std::thread::hardware_concurrency();
@@ -86,15 +89,21 @@ void ShmBackend::stop() {
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType type,
                                                    std::vector<at::Tensor> outputs, Body body,
-                                                   const Lane& lane, bool blocking) {
+                                                   const Lane& lane, bool blocking,
+                                                   const comm::OpLabel& label) {
+  int64_t bytes = 0;
+  for (const auto& t : outputs) bytes += static_cast<int64_t>(t.nbytes());
+  const c10::ScalarType dtype = outputs.empty() ? c10::ScalarType::Undefined
+                                                : outputs.front().scalar_type();
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   uint64_t seq = next_seq_++;
+  flight_.queued(seq, op, bytes, dtype, label);
   // A blocking call on an idle lane runs here and returns its Work already completed: no
   // task is queued (See Note [Waiting helps]).
   if (blocking && lane->run_if_idle([&] {
         std::exception_ptr error;
         try {
-          run(op, seq, body);
+          run(op, seq, body, label);
         } catch (...) {
           error = std::current_exception();
         }
@@ -102,7 +111,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType 
       })) {
     return work;
   }
-  Executor::Body task = [this, op, seq, body = std::move(body)] { run(op, seq, body); };
+  Executor::Body task = [this, op, seq, label, body = std::move(body)] {
+    run(op, seq, body, label);
+  };
   if (blocking) {
     lane->run_or_submit(work, std::move(task));
   } else {
@@ -111,27 +122,61 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType 
   return work;
 }
 
-void ShmBackend::run(const char* op, uint64_t seq, const Body& body) {
-  OpContext ctx{op, seq, rank_, timeout_, Clock::now() + timeout_, !on_lane_worker()};
-  {
-    std::lock_guard<std::mutex> lock(failure_mutex_);
-    if (!failure_.empty()) {
-      throw_op_error(ctx, "the group is unusable after an earlier failure: " + failure_);
+void ShmBackend::run(const char* op, uint64_t seq, const Body& body, const comm::OpLabel& label) {
+  OpContext ctx{op, seq, rank_, timeout_, Clock::now() + timeout_, !on_lane_worker(), label};
+  flight_.started(seq);
+  if (failed_.load(std::memory_order_acquire)) {
+    std::string what;
+    {
+      std::lock_guard<std::mutex> lock(failure_mutex_);
+      what = "the group is unusable after an earlier failure: " + failure_;
     }
+    flight_.ended(seq, what);
+    throw_op_error(ctx, what);
   }
-  auto remember = [this](const std::string& what) {
-    std::lock_guard<std::mutex> lock(failure_mutex_);
-    if (failure_.empty()) failure_ = what;
-  };
   try {
     body(ctx);
   } catch (const c10::Error& e) {
-    remember(e.what_without_backtrace());
+    flight_.ended(seq, e.what_without_backtrace());
+    fail(e.what_without_backtrace());
     throw;
   } catch (const std::exception& e) {
-    remember(e.what());
+    flight_.ended(seq, e.what());
+    fail(e.what());
     throw;
   }
+  flight_.ended(seq, "");
+}
+
+void ShmBackend::fail(const std::string& what) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (!failure_.empty()) return;
+    failure_ = what;
+    failed_.store(true, std::memory_order_release);
+  }
+  const std::string dir = flight_record_dir();
+  if (dir.empty()) return;
+  try {
+    dump_flight_record(dir + "/" + flight_record_name());
+  } catch (const std::exception& e) {
+    TORCH_WARN("pycomm: could not write the flight record into ", dir, ": ", e.what());
+  }
+}
+
+std::string ShmBackend::flight_record_name() const {
+  return c10::str(name_.substr(name_.rfind('/') + 1), "_rank", rank_, ".json");
+}
+
+void ShmBackend::dump_flight_record(const std::string& path) const {
+  const std::string text = flight_.json(rank_, size_);
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  TORCH_CHECK(f != nullptr, "pycomm: cannot write the flight record to ", path, ": ",
+              std::strerror(errno));
+  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
+  const bool closed = std::fclose(f) == 0;
+  TORCH_CHECK(written == text.size() && closed, "pycomm: writing the flight record to ", path,
+              " failed: ", std::strerror(errno));
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -180,7 +225,10 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
   check_dense("all_reduce", tensor);
   check_reduction("all_reduce", tensor.scalar_type(), op);
   const bool ran = collectives_->run_if_idle([&] {
-    run("all_reduce", next_seq_++, [&](const OpContext& c) { allreduce_body(tensor, type, c); });
+    const uint64_t seq = next_seq_++;
+    flight_.queued(seq, "all_reduce", static_cast<int64_t>(tensor.nbytes()), tensor.scalar_type(),
+                   {});
+    run("all_reduce", seq, [&](const OpContext& c) { allreduce_body(tensor, type, c); });
   });
   if (ran) return;
   std::vector<at::Tensor> tensors{tensor};
@@ -198,12 +246,11 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_sum(at::Tensor tensor,
                                                          const comm::OpLabel& label) {
   check_dense("all_reduce", tensor);
   check_reduction("all_reduce", tensor.scalar_type(), c10d::ReduceOp::SUM);
-  auto body = [this, tensor, label](const OpContext& c) {
-    OpContext labelled = c;
-    labelled.label = label;
-    allreduce_body(tensor, c10d::ReduceOp::SUM, labelled);
+  auto body = [this, tensor](const OpContext& c) {
+    allreduce_body(tensor, c10d::ReduceOp::SUM, c);
   };
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {tensor}, std::move(body), collectives_);
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {tensor}, std::move(body), collectives_,
+                 false, label);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tensor> tensors,
@@ -229,14 +276,13 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tens
   }
   TORCH_CHECK_VALUE(!any_overlap(tensors),
                     "pycomm all_reduce of pieces: two of the tensors share memory");
-  auto body = [this, tensors, dtype, scale, label](const OpContext& c) {
+  auto body = [this, tensors, dtype, scale](const OpContext& c) {
     Pieces pieces;
     for (const auto& t : tensors) pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
-    OpContext labelled = c;
-    labelled.label = label;
-    channel_->allreduce_pieces(pieces, dtype, scale, labelled);
+    channel_->allreduce_pieces(pieces, dtype, scale, c);
   };
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, tensors, std::move(body), collectives_);
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, tensors, std::move(body), collectives_,
+                 false, label);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(

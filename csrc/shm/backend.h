@@ -17,6 +17,7 @@
 
 #include "comm/c10d.h"
 #include "shm/collectives.h"
+#include "shm/flight.h"
 #include "shm/work.h"
 
 namespace pycomm::shm {
@@ -82,6 +83,13 @@ class ShmBackend : public c10d::Backend, public comm::PiecesAllreduce {
   // Counters since the group was created: how operations ran and how their waits ended
   // (See Note [Adaptive spin] and Note [Waiting helps]); pycomm.shm.stats() documents them.
   std::map<std::string, int64_t> stats() const;
+  // This rank's last operations on the group (See Note [Flight recorder] in flight.cpp).
+  std::vector<FlightEntry> flight_record() const { return flight_.entries(); }
+  // Write them as JSON to `path`.
+  void dump_flight_record(const std::string& path) const;
+  // The file name this rank's record gets in a directory (segment name and rank): every
+  // rank of a group shares the stem, so a merge tool can tell groups apart.
+  std::string flight_record_name() const;
 
 #if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
   void shutdown() override { stop(); }
@@ -91,10 +99,12 @@ class ShmBackend : public c10d::Backend, public comm::PiecesAllreduce {
   using Body = std::function<void(const OpContext&)>;
   using Lane = std::shared_ptr<Executor>;
   // Queue `body` as operation `op` on `lane`; its Work's result() and future hold `outputs`.
-  // `blocking`: the caller waits on the Work at once (See Note [Waiting helps]).
+  // `blocking`: the caller waits on the Work at once (See Note [Waiting helps]). `label`:
+  // the caller's (a DDP bucket's), in the OpContext and the flight record.
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
-                                         const Lane& lane, bool blocking = false);
+                                         const Lane& lane, bool blocking = false,
+                                         const comm::OpLabel& label = {});
   template <typename Options>
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
@@ -110,18 +120,24 @@ class ShmBackend : public c10d::Backend, public comm::PiecesAllreduce {
 #endif
   }
   void stop();
-  void run(const char* op, uint64_t seq, const Body& body);
+  void run(const char* op, uint64_t seq, const Body& body, const comm::OpLabel& label = {});
+  // The group's first failure: remembered (every later operation fails with it) and the
+  // flight record written where $PYCOMM_FLIGHT_RECORD_DIR says.
+  void fail(const std::string& what);
   void allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op, const OpContext& ctx);
   c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
                                              const at::Tensor& input,
                                              const c10d::AllgatherOptions& opts);
 
+  std::string name_;  // the segment's
+  FlightRecorder flight_{kFlightEntries};
   std::unique_ptr<Channel> channel_;
   std::chrono::milliseconds timeout_;
   Lane collectives_, sends_, receives_;
   std::atomic<uint64_t> next_seq_{0};
   std::mutex failure_mutex_;
   std::string failure_;  // the first failed operation's error: the group is unusable after it
+  std::atomic<bool> failed_{false};  // failure_ is set (read without the lock)
 };
 
 }  // namespace pycomm::shm

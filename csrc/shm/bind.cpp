@@ -54,6 +54,35 @@ void bind_shm(pybind11::module& m) {
           "bucket's (See Note [Collective identity]).")
       .def("stats", &shm::ShmBackend::stats,
            "Counters since the group was created (see pycomm.shm.stats).")
+      .def(
+          "flight_record",
+          [](const shm::ShmBackend& b) {
+            static const char* states[] = {"queued", "started", "completed", "failed"};
+            py::list out;
+            for (const shm::FlightEntry& e : b.flight_record()) {
+              py::dict d;
+              d["seq"] = e.seq;
+              d["op"] = e.op;
+              d["bytes"] = e.bytes;
+              d["dtype"] = e.dtype == c10::ScalarType::Undefined ? "" : shm::dtype_name(e.dtype);
+              d["bucket"] = e.label.bucket;
+              d["forwards"] = e.label.forwards;
+              d["step"] = e.label.step;
+              d["state"] = states[static_cast<int>(e.state)];
+              d["queued_ns"] = e.queued_ns;
+              d["started_ns"] = e.started_ns;
+              d["ended_ns"] = e.ended_ns;
+              d["error"] = e.error;
+              out.append(std::move(d));
+            }
+            return out;
+          },
+          "This rank's last operations on the group, oldest first (see "
+          "pycomm.shm.flight_record).")
+      .def("dump_flight_record", &shm::ShmBackend::dump_flight_record, py::arg("path"),
+           py::call_guard<py::gil_scoped_release>(), "Write the flight record to `path` (JSON).")
+      .def("flight_record_name", &shm::ShmBackend::flight_record_name,
+           "The file name of this rank's record in a directory.")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),
                   "Remove segment `name` from /dev/shm (mappings stay valid).");
   py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>(

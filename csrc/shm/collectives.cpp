@@ -70,6 +70,22 @@ void Channel::tag_round(int slot) {
   tag.step.store(current_.label.step, std::memory_order_relaxed);
 }
 
+std::string dtype_name(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return "float32";
+    case c10::ScalarType::Double: return "float64";
+    case c10::ScalarType::BFloat16: return "bfloat16";
+    case c10::ScalarType::Half: return "float16";
+    case c10::ScalarType::Int: return "int32";
+    case c10::ScalarType::Long: return "int64";
+    case c10::ScalarType::Short: return "int16";
+    case c10::ScalarType::Char: return "int8";
+    case c10::ScalarType::Byte: return "uint8";
+    case c10::ScalarType::Bool: return "bool";
+    default: return c10::toString(dtype);
+  }
+}
+
 namespace {
 
 const char* kind_name(OpKind kind) {
@@ -86,19 +102,6 @@ const char* kind_name(OpKind kind) {
     case OpKind::kNone: break;
   }
   return "no collective";
-}
-
-// torch's Python name of the dtypes the reductions take (what users write).
-std::string dtype_name(c10::ScalarType dtype) {
-  switch (dtype) {
-    case c10::ScalarType::Float: return "float32";
-    case c10::ScalarType::Double: return "float64";
-    case c10::ScalarType::BFloat16: return "bfloat16";
-    case c10::ScalarType::Half: return "float16";
-    case c10::ScalarType::Int: return "int32";
-    case c10::ScalarType::Long: return "int64";
-    default: return c10::toString(dtype);
-  }
 }
 
 Identity read_tag(const OpTag& tag) {

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "shm/segment.h"
@@ -70,6 +71,9 @@ struct Pieces {
     }
   }
 };
+
+// torch's Python name of a dtype (float32, bfloat16, ...): what users write, in messages.
+std::string dtype_name(c10::ScalarType dtype);
 
 // The collectives, as their rounds' tags name them (See Note [Collective identity]).
 enum class OpKind : uint8_t {

@@ -1,0 +1,105 @@
+"""The flight recorder of a "pycomm" group (See Note [Flight recorder] in
+csrc/shm/flight.cpp): every operation recorded with its number, what it was and how far it
+got; written by the backend at the group's first failure into $PYCOMM_FLIGHT_RECORD_DIR,
+or on demand; merged by `python -m pycomm.flight_record`, which names the rank that is
+behind, or the one that ran a forward the others did not."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pycomm
+from pycomm import flight_record
+from tests.support.ddp_models import tanh_mlp
+from tests.support.multirank import run_ranks
+
+
+def _records(rank, world_size):
+    for n in (4, 300_000):
+        dist.all_reduce(torch.ones(n))
+    dist.broadcast(torch.ones(3), src=0)
+    entries = pycomm.shm.flight_record()
+    assert [e["op"] for e in entries] == ["all_reduce", "all_reduce", "broadcast"], entries
+    assert [e["seq"] for e in entries] == [0, 1, 2], entries
+    assert [e["bytes"] for e in entries] == [16, 1_200_000, 12], entries
+    assert all(e["state"] == "completed" and e["dtype"] == "float32" for e in entries), entries
+    assert all(0 < e["queued_ns"] <= e["started_ns"] <= e["ended_ns"] for e in entries)
+    assert all(e["bucket"] == -1 for e in entries)  # not DDP's
+
+
+def test_every_operation_is_recorded_in_order():
+    run_ranks(_records, 2, backend="pycomm")
+
+
+def _ddp_labels(rank, world_size):
+    ddp = pycomm.DistributedDataParallel(tanh_mlp(), bucket_cap_mb=0.001)
+    for _ in range(2):
+        with ddp.no_sync():
+            ddp(torch.randn(4, 24)).sum().backward()
+        ddp(torch.randn(4, 24)).sum().backward()
+    buckets = [e for e in pycomm.shm.flight_record(ddp.gradient_group) if e["bucket"] >= 0]
+    count = len(ddp.reducer.bucket_indices())
+    assert [e["bucket"] for e in buckets] == list(range(count)) * 2, buckets
+    assert [e["step"] for e in buckets] == [0] * count + [1] * count, buckets
+    assert all(e["forwards"] == 2 for e in buckets), buckets  # one no_sync + the synced one
+
+
+def test_ddp_buckets_carry_their_step_and_forwards():
+    run_ranks(_ddp_labels, 2)
+
+
+def _hung(rank, world_size, directory):
+    os.environ["PYCOMM_FLIGHT_RECORD_DIR"] = directory
+    for _ in range(3):
+        dist.all_reduce(torch.ones(8))
+    if rank == 1:  # hangs: never issues the fourth; dumps on demand afterwards
+        time.sleep(4)
+        pycomm.shm.dump_flight_record(directory)
+        return
+    with pytest.raises(dist.DistBackendError, match="timed out"):
+        dist.all_reduce(torch.ones(8))  # the group's timeout: 2 s
+
+
+def test_a_hung_rank_is_named_behind_at_its_operation(tmp_path):
+    run_ranks(_hung, 2, backend="pycomm", group_timeout_s=2.0, directory=str(tmp_path))
+    groups = flight_record.load(str(tmp_path))
+    assert len(groups) == 1, os.listdir(tmp_path)
+    said = flight_record.report(next(iter(groups.values())))
+    assert ("rank 1 is behind: its last operation is #2 all_reduce of 32 bytes (float32) "
+            "(completed), while rank(s) [0] went up to #3") in said, said
+    assert "the ranks ahead waited for it at #3 all_reduce" in said, said
+    assert "(failed: pycomm all_reduce (operation #3 on rank 0): timed out" in said, said
+    out = subprocess.run([sys.executable, "-m", "pycomm.flight_record", str(tmp_path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "rank 1 is behind" in out and "# group pycomm-" in out, out
+
+
+def _skipped(rank, world_size, directory):
+    os.environ["PYCOMM_FLIGHT_RECORD_DIR"] = directory
+    ddp = pycomm.DistributedDataParallel(tanh_mlp(), bucket_cap_mb=0.001)
+    ddp(torch.randn(4, 24)).sum().backward()
+    if rank == 1:
+        ddp(torch.randn(4, 24))  # a forward without its backward
+    with pytest.raises(RuntimeError, match="different collectives"):
+        ddp(torch.randn(4, 24)).sum().backward()
+
+
+def test_a_skipped_backward_names_the_rank_with_the_extra_forward(tmp_path):
+    run_ranks(_skipped, 2, directory=str(tmp_path))
+    groups = flight_record.load(str(tmp_path))
+    said = flight_record.report(next(iter(groups.values())))
+    assert "the ranks were in different collectives" in said, said
+    assert "rank(s) [1] ran more forwards since the last synchronized backward" in said, said
+
+
+def test_the_merge_command_says_when_there_is_nothing(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "pycomm.flight_record", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "no flight records" in out.stderr, out
