@@ -11,6 +11,36 @@
 
 namespace pycomm {
 
+namespace {
+
+// ShmBackend.flight_record(): the entries as the dicts pycomm.shm.flight_record documents.
+pybind11::list flight_record_dicts(const shm::ShmBackend& backend) {
+  namespace py = pybind11;
+  static const char* states[] = {"queued", "started", "completed", "failed"};
+  py::list out;
+  for (const shm::FlightEntry& e : backend.flight_record()) {
+    py::dict d;
+    d["seq"] = e.seq;
+    d["op"] = e.op;
+    d["bytes"] = e.bytes;
+    d["dtype"] = e.dtype == c10::ScalarType::Undefined ? "" : shm::dtype_name(e.dtype);
+    d["bucket"] = e.label.bucket;
+    d["forwards"] = e.label.forwards;
+    d["step"] = e.label.step;
+    d["state"] = states[static_cast<int>(e.state)];
+    d["queued_ns"] = e.queued_ns;
+    d["started_ns"] = e.started_ns;
+    d["ended_ns"] = e.ended_ns;
+    d["error"] = e.error;
+    out.append(std::move(d));
+  }
+  return out;
+}
+
+void bind_hier(pybind11::module& m);
+
+}  // namespace
+
 void bind_shm(pybind11::module& m) {
   namespace py = pybind11;
   // The base type is registered by torch.distributed's C extension.
@@ -54,37 +84,22 @@ void bind_shm(pybind11::module& m) {
           "bucket's (See Note [Collective identity]).")
       .def("stats", &shm::ShmBackend::stats,
            "Counters since the group was created (see pycomm.shm.stats).")
-      .def(
-          "flight_record",
-          [](const shm::ShmBackend& b) {
-            static const char* states[] = {"queued", "started", "completed", "failed"};
-            py::list out;
-            for (const shm::FlightEntry& e : b.flight_record()) {
-              py::dict d;
-              d["seq"] = e.seq;
-              d["op"] = e.op;
-              d["bytes"] = e.bytes;
-              d["dtype"] = e.dtype == c10::ScalarType::Undefined ? "" : shm::dtype_name(e.dtype);
-              d["bucket"] = e.label.bucket;
-              d["forwards"] = e.label.forwards;
-              d["step"] = e.label.step;
-              d["state"] = states[static_cast<int>(e.state)];
-              d["queued_ns"] = e.queued_ns;
-              d["started_ns"] = e.started_ns;
-              d["ended_ns"] = e.ended_ns;
-              d["error"] = e.error;
-              out.append(std::move(d));
-            }
-            return out;
-          },
-          "This rank's last operations on the group, oldest first (see "
-          "pycomm.shm.flight_record).")
+      .def("flight_record", &flight_record_dicts,
+           "This rank's last operations on the group, oldest first (see "
+           "pycomm.shm.flight_record).")
       .def("dump_flight_record", &shm::ShmBackend::dump_flight_record, py::arg("path"),
            py::call_guard<py::gil_scoped_release>(), "Write the flight record to `path` (JSON).")
       .def("flight_record_name", &shm::ShmBackend::flight_record_name,
            "The file name of this rank's record in a directory.")
       .def_static("unlink", &shm::Segment::unlink, py::arg("name"),
                   "Remove segment `name` from /dev/shm (mappings stay valid).");
+  bind_hier(m);
+}
+
+namespace {
+
+void bind_hier(pybind11::module& m) {
+  namespace py = pybind11;
   py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>(
       m, "HierBackend",
       "c10d backend of a group over several hosts: all-reduce hierarchically (shared memory "
@@ -103,5 +118,7 @@ void bind_shm(pybind11::module& m) {
       .def_property_readonly("local", &shm::HierBackend::local,
                              "the shared-memory group of this rank's host");
 }
+
+}  // namespace
 
 }  // namespace pycomm
