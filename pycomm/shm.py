@@ -87,15 +87,19 @@ class HostLayout:
 
 class ShmSpaceError(RuntimeError):
     """/dev/shm cannot hold a new "pycomm" group's segment (See Note [Reserving the
-    segment] in csrc/shm/segment.cpp). Raised on every rank of the group."""
+    segment] in csrc/shm/segment.cpp). Raised on every rank of the group. `space` says
+    what was needed and how to grant it; the message adds the other way out."""
+
+    def __init__(self, space: str):
+        super().__init__(f"{space}, or use a gloo group")
+        self.space = space
 
 
 def _creation_failed(rank: int, what: str) -> RuntimeError:
     if what.startswith(_C.SHM_NO_SPACE):
         return ShmSpaceError(
             f"pycomm backend: rank {rank}: {what.splitlines()[0]}. Grant /dev/shm more "
-            f"space (docker run --shm-size=1g ..., or mount -o remount,size=1g /dev/shm) "
-            f"or use a gloo group")
+            f"space (docker run --shm-size=1g ..., or mount -o remount,size=1g /dev/shm)")
     return RuntimeError(f"pycomm backend: rank {rank}: rank 0 could not create the "
                         f"group's segment: {what}")
 
@@ -337,7 +341,8 @@ def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
         try:
             answer = _pycomm_group_over(group)
         except ShmSpaceError as e:  # raised on every rank: all fall back alike
-            warnings.warn(f"{e}; this group's collectives stay on gloo", stacklevel=3)
+            warnings.warn(f"{e.space}; until then this group's gradients stay on gloo",
+                          stacklevel=3)
     _SAME_HOST_GROUPS[group.group_name] = answer
     return answer
 

@@ -68,6 +68,8 @@ def _ddp_fallback(rank, world_size):
     said = [str(w.message) for w in caught if "/dev/shm" in str(w.message)]
     assert len(said) == 1, said
     assert "--shm-size" in said[0] and "bytes for 2 ranks" in said[0], said[0]
+    # the group already is Gloo: no advice to use one
+    assert "use a gloo group" not in said[0] and "stay on gloo" in said[0], said[0]
     assert ours.gradient_group is dist.group.WORLD
     ref = torch_ddp(copy.deepcopy(base))
     for a, b in zip(train_sgd(ours, rank), train_sgd(ref, rank)):
