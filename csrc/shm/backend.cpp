@@ -1,13 +1,11 @@
 // Argument checks and queueing of the operations of ShmBackend (see backend.h); gather,
-// scatter and the list all_to_all are in backend_tensor_lists.cpp.
+// scatter and the list all_to_all are in backend_tensor_lists.cpp, the reducer's bucket
+// all-reduces in backend_buckets.cpp.
 #include "shm/backend.h"
 
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
-#include <cerrno>
-#include <cstdio>
-#include <cstring>
 #include <thread>
 
 #include "shm/reduce_kernels.h"
@@ -169,14 +167,7 @@ std::string ShmBackend::flight_record_name() const {
 }
 
 void ShmBackend::dump_flight_record(const std::string& path) const {
-  const std::string text = flight_.json(rank_, size_);
-  std::FILE* f = std::fopen(path.c_str(), "w");
-  TORCH_CHECK(f != nullptr, "pycomm: cannot write the flight record to ", path, ": ",
-              std::strerror(errno));
-  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
-  const bool closed = std::fclose(f) == 0;
-  TORCH_CHECK(written == text.size() && closed, "pycomm: writing the flight record to ", path,
-              " failed: ", std::strerror(errno));
+  flight_.write(path, rank_, size_);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::broadcast(std::vector<at::Tensor>& tensors,
@@ -238,51 +229,6 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
   opts.asyncOp = false;
 #endif
   allreduce(tensors, opts)->wait();
-}
-
-// A DDP bucket's all-reduce through its buffer, with the reducer's label (See Note
-// [Collective identity] in collectives.cpp): the collective allreduce() runs.
-c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_sum(at::Tensor tensor,
-                                                         const comm::OpLabel& label) {
-  check_dense("all_reduce", tensor);
-  check_reduction("all_reduce", tensor.scalar_type(), c10d::ReduceOp::SUM);
-  auto body = [this, tensor](const OpContext& c) {
-    allreduce_body(tensor, c10d::ReduceOp::SUM, c);
-  };
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {tensor}, std::move(body), collectives_,
-                 false, label);
-}
-
-c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tensor> tensors,
-                                                            double scale,
-                                                            const comm::OpLabel& label) {
-  TORCH_CHECK_VALUE(!tensors.empty(), "pycomm all_reduce of pieces: no tensors");
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    TORCH_CHECK_VALUE(tensors[i].defined(), "pycomm all_reduce of pieces: tensor ", i,
-                      " is undefined");
-  }
-  const c10::ScalarType dtype = tensors.front().scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
-                    "pycomm all_reduce of pieces: float32 or float64 tensors, got ", dtype);
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = tensors[i];
-    check_dense("all_reduce of pieces", t);
-    TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pycomm all_reduce of pieces: tensor ", i, " is ",
-                      t.scalar_type(), ", tensor 0 is ", dtype);
-    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "pycomm all_reduce of pieces: tensor ", i,
-                      " is not dense (strides ", t.strides(), " for sizes ", t.sizes(), ")");
-    TORCH_CHECK_VALUE(!t.is_neg() && !t.is_conj(), "pycomm all_reduce of pieces: tensor ", i,
-                      " is a lazily negated or conjugated view; resolve it first");
-  }
-  TORCH_CHECK_VALUE(!any_overlap(tensors),
-                    "pycomm all_reduce of pieces: two of the tensors share memory");
-  auto body = [this, tensors, dtype, scale](const OpContext& c) {
-    Pieces pieces;
-    for (const auto& t : tensors) pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
-    channel_->allreduce_pieces(pieces, dtype, scale, c);
-  };
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, tensors, std::move(body), collectives_,
-                 false, label);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(

@@ -1,6 +1,6 @@
 // Argument checks and queueing of gather, scatter and the list all_to_all of ShmBackend
-// (the other operations are in backend.cpp). The algorithms are in gather_scatter.cpp and
-// collectives.cpp.
+// (the others are in backend.cpp and backend_buckets.cpp). The algorithms are in gather_scatter.cpp
+// and collectives.cpp.
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 

@@ -1,8 +1,12 @@
 // See flight.h.
 #include "shm/flight.h"
 
+#include <c10/util/Exception.h>
+
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <sstream>
 
@@ -162,6 +166,17 @@ std::string FlightRecorder::json(int rank, int world) const {
   }
   out << "]}\n";
   return out.str();
+}
+
+void FlightRecorder::write(const std::string& path, int rank, int world) const {
+  const std::string text = json(rank, world);
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  TORCH_CHECK(f != nullptr, "pycomm: cannot write the flight record to ", path, ": ",
+              std::strerror(errno));
+  const size_t written = std::fwrite(text.data(), 1, text.size(), f);
+  const bool closed = std::fclose(f) == 0;
+  TORCH_CHECK(written == text.size() && closed, "pycomm: writing the flight record to ", path,
+              " failed: ", std::strerror(errno));
 }
 
 std::string flight_record_dir() {

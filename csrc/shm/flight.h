@@ -48,6 +48,8 @@ class FlightRecorder {
   std::vector<FlightEntry> entries() const;
   // The entries as JSON (one object: rank, world, the entries), for merge tools.
   std::string json(int rank, int world) const;
+  // Write json() to `path`; throws naming the path when it cannot.
+  void write(const std::string& path, int rank, int world) const;
 
  private:
   struct Slot {

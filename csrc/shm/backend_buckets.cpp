@@ -1,0 +1,57 @@
+// The bucket all-reduces of ShmBackend that pycomm's reducer calls through
+// comm::PiecesAllreduce (the other operations are in backend.cpp): a bucket through its
+// buffer, and a bucket reduced where its gradients are, each with the reducer's label.
+#include <c10/util/Exception.h>
+
+#include "shm/backend.h"
+#include "shm/reduce_kernels.h"
+#include "shm/tensor_args.h"
+
+namespace pycomm::shm {
+
+// A DDP bucket's all-reduce through its buffer, with the reducer's label (See Note
+// [Collective identity] in collectives.cpp): the collective allreduce() runs.
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_sum(at::Tensor tensor,
+                                                         const comm::OpLabel& label) {
+  check_dense("all_reduce", tensor);
+  check_reduction("all_reduce", tensor.scalar_type(), c10d::ReduceOp::SUM);
+  auto body = [this, tensor](const OpContext& c) {
+    allreduce_body(tensor, c10d::ReduceOp::SUM, c);
+  };
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {tensor}, std::move(body), collectives_,
+                 false, label);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tensor> tensors,
+                                                            double scale,
+                                                            const comm::OpLabel& label) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "pycomm all_reduce of pieces: no tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].defined(), "pycomm all_reduce of pieces: tensor ", i,
+                      " is undefined");
+  }
+  const c10::ScalarType dtype = tensors.front().scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble,
+                    "pycomm all_reduce of pieces: float32 or float64 tensors, got ", dtype);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    check_dense("all_reduce of pieces", t);
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pycomm all_reduce of pieces: tensor ", i, " is ",
+                      t.scalar_type(), ", tensor 0 is ", dtype);
+    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "pycomm all_reduce of pieces: tensor ", i,
+                      " is not dense (strides ", t.strides(), " for sizes ", t.sizes(), ")");
+    TORCH_CHECK_VALUE(!t.is_neg() && !t.is_conj(), "pycomm all_reduce of pieces: tensor ", i,
+                      " is a lazily negated or conjugated view; resolve it first");
+  }
+  TORCH_CHECK_VALUE(!any_overlap(tensors),
+                    "pycomm all_reduce of pieces: two of the tensors share memory");
+  auto body = [this, tensors, dtype, scale](const OpContext& c) {
+    Pieces pieces;
+    for (const auto& t : tensors) pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
+    channel_->allreduce_pieces(pieces, dtype, scale, c);
+  };
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, tensors, std::move(body), collectives_,
+                 false, label);
+}
+
+}  // namespace pycomm::shm
