@@ -1,6 +1,7 @@
 // Bucket reductions (see comm_hook.h).
 #include "reducer/comm_hook.h"
 
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
@@ -94,9 +95,13 @@ at::Tensor result_tensor(const c10::IValue& value) {
     py::object obj = torch::jit::toPyObject(value);
     if (py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj)) {
       py::sequence seq = obj;
-      TORCH_CHECK(seq.size() == 1, "hook future holds ", seq.size(), " values, expected 1");
+      TORCH_CHECK(seq.size() == 1, "the communication hook's future holds ", seq.size(),
+                  " values; it must hold one tensor shaped like bucket.buffer()");
       obj = seq[0];
     }
+    TORCH_CHECK(THPVariable_Check(obj.ptr()), "the communication hook's future holds a ",
+                py::str(obj.get_type().attr("__name__")),
+                "; it must hold one tensor shaped like bucket.buffer()");
     return py::cast<at::Tensor>(obj);
   }
   if (value.isTensorList()) {
@@ -110,7 +115,8 @@ at::Tensor result_tensor(const c10::IValue& value) {
                 "bucket future must hold one tensor, got a list of ", list.size());
     return list[0].toTensor();
   }
-  TORCH_CHECK(false, "bucket future must hold a Tensor, got ", value.tagKind());
+  TORCH_CHECK(false, "the bucket's future holds a ", value.tagKind(),
+              "; it must hold one tensor shaped like bucket.buffer()");
 }
 
 }  // namespace pycomm::reducer

@@ -218,6 +218,11 @@ void Reducer::launch(Bucket& bucket) {
         if (stamps) target->done_stamp.store(stamps->stamp());
         if (!target->in_place) {
           at::Tensor out = result_tensor(value);
+          TORCH_CHECK(out.numel() == target->buffer.numel(),
+                      "the bucket's future holds a tensor of ", out.numel(),
+                      " elements; the bucket has ", target->buffer.numel(),
+                      " (a communication hook must return bucket.buffer() reduced, or a tensor of "
+                      "its size)");
           if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
         }
         for (auto& callback : *callbacks) callback(*target);

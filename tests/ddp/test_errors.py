@@ -1,13 +1,15 @@
 """Bad input and faults give clear errors naming the parameter, rank or bucket, on every
 rank, and never a hang: unused parameters without find_unused_parameters, backward twice,
 requires_grad changed, mismatched parameters across ranks, unimplemented torch arguments,
-wrong process groups and devices, sparse gradients, and a rank that dies mid-step."""
+wrong process groups and devices, sparse gradients, communication hooks whose futures hold
+the wrong thing, and a rank that dies mid-step."""
 
 from __future__ import annotations
 
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -61,6 +63,32 @@ def _usage_errors(rank, world_size):
 
 def test_usage_errors_name_the_parameter_on_every_rank():
     run_ranks(_usage_errors, 2)
+
+
+def _hook_returning(result):
+    def hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(result(bucket))
+        return fut
+    return hook
+
+
+def _bad_hook_results(rank, world_size):
+    # Each names the hook's future and what it must hold, not pybind's cast error or a
+    # view's "shape '[30]' is invalid for input of size 3".
+    cases = [(lambda b: "not a tensor", r"communication hook's future holds a str; it must "
+              r"hold one tensor shaped like bucket.buffer\(\)"),
+             (lambda b: [b.buffer(), b.buffer()], r"communication hook's future holds 2 values"),
+             (lambda b: b.buffer()[:3].clone(), r"the bucket's future holds a tensor of 3 "
+              r"elements; the bucket has \d+ \(a communication hook must return")]
+    for result, match in cases:
+        ddp = DDP(build("mlp"), bucket_cap_mb=1e-6)
+        ddp.register_comm_hook(None, _hook_returning(result))
+        _raises(RuntimeError, match, loss_of(ddp(make_input("mlp", rank, 0))).backward)
+
+
+def test_a_hook_future_holding_the_wrong_thing_is_named():
+    run_ranks(_bad_hook_results, 2)
 
 
 def _dead_rank(rank, world_size):
