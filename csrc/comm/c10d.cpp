@@ -24,8 +24,8 @@ c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg) {
   }
 }
 
-PiecesAllreduce* pieces_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend) {
-  return dynamic_cast<PiecesAllreduce*>(backend.get());
+BucketAllreduce* bucket_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  return dynamic_cast<BucketAllreduce*>(backend.get());
 }
 
 std::string error_message(const c10::ivalue::Future& future) {

@@ -44,15 +44,15 @@ std::string error_message(const c10::ivalue::Future& future);
 // (See Note [Collective identity] in shm/collectives.cpp). pycomm's shared-memory backend
 // offers it (See Note [Pieces all-reduce] in shm/allreduce.cpp); the reducer asks for it
 // here and knows no backend by name.
-class PiecesAllreduce {
+class BucketAllreduce {
  public:
-  virtual ~PiecesAllreduce() = default;
+  virtual ~BucketAllreduce() = default;
   virtual WorkPtr allreduce_pieces(std::vector<at::Tensor> tensors, double scale,
                                    const OpLabel& label) = 0;
   virtual WorkPtr allreduce_sum(at::Tensor tensor, const OpLabel& label) = 0;
 };
 
-// `backend` as a PiecesAllreduce, or null when it does not offer one.
-PiecesAllreduce* pieces_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
+// `backend` as a BucketAllreduce, or null when it does not offer one.
+BucketAllreduce* bucket_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
 
 }  // namespace pycomm::comm

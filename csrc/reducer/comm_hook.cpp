@@ -18,24 +18,24 @@ AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
     : pg_(std::move(pg)),
       run_inline_(run_inline),
       backend_(comm::cpu_backend(pg_)),
-      pieces_(comm::pieces_allreduce(backend_)) {}
+      bucket_ops_(comm::bucket_allreduce(backend_)) {}
 
 // On a backend that compares labels (pycomm's shared memory) the bucket goes to it
 // directly, with its label; elsewhere through the group, as torch's reducer does.
 FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
                                 const std::vector<at::Tensor>& /*params*/,
                                 const comm::OpLabel& label) {
-  if (pieces_ != nullptr && bucket.buffer.device().is_cpu()) {
-    return finish(pieces_->allreduce_sum(bucket.buffer, label));
+  if (bucket_ops_ != nullptr && bucket.buffer.device().is_cpu()) {
+    return finish(bucket_ops_->allreduce_sum(bucket.buffer, label));
   }
   return finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
 }
 
 FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> grads,
                                          double scale, const comm::OpLabel& label) {
-  TORCH_CHECK(pieces_ != nullptr, "bucket ", bucket.index,
+  TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
               ": in-place reduction needs a pycomm shared-memory group");
-  return finish(pieces_->allreduce_pieces(std::move(grads), scale, label));
+  return finish(bucket_ops_->allreduce_pieces(std::move(grads), scale, label));
 }
 
 FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {

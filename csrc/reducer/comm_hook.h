@@ -40,7 +40,7 @@ class AllreduceSumHook final : public CommHook {
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return true; }
   // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory).
-  bool reduces_in_place() const override { return pieces_ != nullptr; }
+  bool reduces_in_place() const override { return bucket_ops_ != nullptr; }
   FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
                          const comm::OpLabel& label) override;
 
@@ -50,8 +50,8 @@ class AllreduceSumHook final : public CommHook {
   comm::ProcessGroupPtr pg_;
   bool run_inline_;
   bool inline_failed_ = false;
-  c10::intrusive_ptr<c10d::Backend> backend_;  // keeps pieces_ alive
-  comm::PiecesAllreduce* pieces_ = nullptr;    // what backend_ offers, if it does
+  c10::intrusive_ptr<c10d::Backend> backend_;  // keeps bucket_ops_ alive
+  comm::BucketAllreduce* bucket_ops_ = nullptr;    // what backend_ offers, if it does
 };
 
 class PythonCommHook final : public CommHook {

@@ -22,7 +22,7 @@
 
 namespace pycomm::shm {
 
-class ShmBackend : public c10d::Backend, public comm::PiecesAllreduce {
+class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
  public:
   // Map segment `name` (rank 0 creates it); the caller unlinks it once all ranks mapped it.
   ShmBackend(const std::string& name, int rank, int size, std::chrono::milliseconds timeout,

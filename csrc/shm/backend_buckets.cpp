@@ -1,5 +1,5 @@
 // The bucket all-reduces of ShmBackend that pycomm's reducer calls through
-// comm::PiecesAllreduce (the other operations are in backend.cpp): a bucket through its
+// comm::BucketAllreduce (the other operations are in backend.cpp): a bucket through its
 // buffer, and a bucket reduced where its gradients are, each with the reducer's label.
 #include <c10/util/Exception.h>
 
