@@ -195,6 +195,11 @@ class Hosts:
             os.makedirs(os.path.join(ETC_DIR, netns), exist_ok=True)
             with open(os.path.join(ETC_DIR, netns, "hosts"), "w") as f:
                 f.write(f"127.0.0.1 localhost\n{hosts_file}")
+            # A name not in that file is not looked up on the machine's own DNS server
+            # (which a host cannot reach, and which answers late or never on some
+            # networks): its own loopback refuses at once.
+            with open(os.path.join(ETC_DIR, netns, "resolv.conf"), "w") as f:
+                f.write("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             _ip("netns", "add", netns)
             _ip("-n", netns, "link", "set", "lo", "up")
             _ip("-n", netns, "link", "add", IFNAME, "type", "veth", "peer", "name", f"p{i}",

@@ -5,10 +5,12 @@ benchmark and torchrun across hosts."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -149,9 +151,15 @@ def test_collectives_benchmark_across_hosts(tmp_path):
     assert min(sent) > 2**20 // 2, sent
 
 
-def test_torchrun_across_hosts_runs_the_example():
+def test_torchrun_across_hosts_runs_the_example(tmp_path):
+    """Two torchrun agents, one per host, c10d rendezvous on host 0. Should the run stall,
+    every Python process in both hosts dumps its threads' stacks (faulthandler, SIGABRT)
+    and the failure shows both hosts' output, the agents' INFO log included: where it
+    stopped, not only that it did."""
+    import signal
     import subprocess
 
+    logs = [tmp_path / f"host{h}.log" for h in range(2)]
     with Hosts(2) as hosts:
         procs = []
         for host in range(2):
@@ -160,11 +168,26 @@ def test_torchrun_across_hosts_runs_the_example():
                     "c10d", "--rdzv-endpoint", f"{hosts.addr(0)}:29400", "--local-addr",
                     hosts.addr(host), "examples/train.py", "--epochs", "2"]
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0", OMP_NUM_THREADS="1",
+                       LOGLEVEL="INFO", PYTHONFAULTHANDLER="1",
                        PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-            procs.append(hosts.spawn(host, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True))
-        outs = [p.communicate(timeout=180)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out
-    assert "replicas identical" in outs[0] and "2 ranks" in outs[0], outs[0]
-    assert outs[0].count("epoch") >= 2, outs[0]
+            with open(logs[host], "w") as log:
+                procs.append(hosts.spawn(host, argv, cwd=ROOT, env=env, stdout=log,
+                                         stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 180
+        try:
+            for p in procs:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for host in range(2):
+                for pid in hosts.pids(host):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGABRT)
+            time.sleep(2)
+    for p in procs:  # the hosts' teardown killed what was left
+        p.wait()
+    outs = [log.read_text(errors="replace") for log in logs]
+    report = "".join(f"\n--- host {h} (exit {p.returncode}) ---\n{out[-12000:]}"
+                     for h, (p, out) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), report
+    assert "replicas identical" in outs[0] and "2 ranks" in outs[0], report
+    assert outs[0].count("epoch ") >= 2, report
