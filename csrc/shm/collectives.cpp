@@ -119,17 +119,12 @@ Identity read_tag(const OpTag& tag) {
 bool same_collective(const Identity& a, const Identity& b) {
   if (a.kind != b.kind || a.dtype != b.dtype) return false;
   if (a.kind != OpKind::kAlltoall && a.count != b.count) return false;
-  if (!a.label.labelled() || !b.label.labelled()) return true;
-  return a.label.bucket == b.label.bucket && a.label.forwards == b.label.forwards;
+  return comm::same_label(a.label, b.label);
 }
 
 std::string describe(const Identity& id) {
   std::ostringstream out;
-  if (id.label.labelled()) {
-    out << "bucket " << id.label.bucket << " of its synchronized step " << id.label.step
-        << ", after " << id.label.forwards << " forward(s) with grad enabled since its last "
-        << "synchronized backward (";
-  }
+  if (id.label.labelled()) out << comm::describe(id.label) << " (";
   out << kind_name(id.kind);
   if (id.kind == OpKind::kBroadcast || id.kind == OpKind::kAllgather ||
       id.kind == OpKind::kGather || id.kind == OpKind::kScatter) {
@@ -155,10 +150,8 @@ void Channel::check_identity(const OpContext& ctx) {
                     c10::str("pycomm ", ctx.op, " (operation #", ctx.seq, " on rank ", rank_,
                              "): ranks ", rank_, " and ", p, " are in different collectives: rank ",
                              rank_, " is at ", describe(current_), ", rank ", p, " at ",
-                             describe(theirs),
-                             steps ? ": a rank skipped a backward, ran a no_sync micro-step the "
-                                     "others did not, or ran a forward with grad enabled "
-                                     "that the others did not (evaluate under torch.no_grad())"
+                             describe(theirs), steps ? ": " : "",
+                             steps ? comm::kLabelsDifferHint
                                    : ": the ranks issued different collectives in this order"));
   }
 }
