@@ -181,6 +181,7 @@ void bind_reducer(py::module& m) {
           },
           py::arg("fn"), "fn(bucket_index, reduced_buffer) when the bucket's collective is done")
       .def("zeros_like_grad_buckets", &zeros_like_grad_buckets)
+      .def("step_label_elements", &Reducer::step_label_elements)
       .def(
           "timelines",
           [](const Reducer& r, size_t n) {

@@ -5,6 +5,10 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/distributed/c10d/comm.hpp>
 
+#include <utility>
+
+#include "comm/step_label.h"
+
 namespace pycomm::reducer {
 
 namespace py = pybind11;
@@ -20,15 +24,46 @@ AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
       backend_(comm::cpu_backend(pg_)),
       bucket_ops_(comm::bucket_allreduce(backend_)) {}
 
+int64_t AllreduceSumHook::step_label_elements() const {
+  return bucket_ops_ != nullptr ? 0 : comm::step_label_elements(pg_->getSize());
+}
+
+void AllreduceSumHook::begin_step(const comm::OpLabel& label) {
+  const int rank = pg_->getRank();
+  at::Tensor sums = comm::step_label_tensor(pg_->getSize(), rank, label);
+  step_label_ = comm::start_allreduce(pg_, sums, c10d::ReduceOp::SUM)
+                    ->getFuture()
+                    ->then(
+                        [sums, rank, label](c10::ivalue::Future& done) {
+                          done.value();  // rethrows the all-reduce's error
+                          comm::check_step_label(sums, rank, label);
+                          return c10::IValue(sums);
+                        },
+                        c10::TensorType::get());
+}
+
 // On a backend that compares labels (pycomm's shared memory) the bucket goes to it
-// directly, with its label; elsewhere through the group, as torch's reducer does.
+// directly, with its label; elsewhere through the group, as torch's reducer does, the
+// step's first bucket completing only with the step's label exchange (See Note [Step
+// labels over the group] in comm/step_label.cpp).
 FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
                                 const std::vector<at::Tensor>& /*params*/,
                                 const comm::OpLabel& label) {
   if (bucket_ops_ != nullptr && bucket.buffer.device().is_cpu()) {
     return finish(bucket_ops_->allreduce_sum(bucket.buffer, label));
   }
-  return finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
+  FuturePtr reduced = finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
+  FuturePtr step_label = std::exchange(step_label_, FuturePtr());
+  if (!step_label) return reduced;
+  c10::List<FuturePtr> both(c10::FutureType::create(c10::AnyType::get()));
+  both.push_back(step_label);
+  both.push_back(reduced);
+  return c10::collectAll(both)->then(
+      [step_label, reduced](c10::ivalue::Future& /*all*/) {
+        step_label->value();  // rethrows a label mismatch
+        return reduced->value();
+      },
+      reduced->elementType());
 }
 
 FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> grads,

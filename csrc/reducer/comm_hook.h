@@ -28,6 +28,13 @@ class CommHook {
   // written back into them; the future completes when they hold it.
   virtual FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
                                  const comm::OpLabel& label);
+  // Elements of the step label this hook exchanges before a step's first bucket (See Note
+  // [Step labels over the group] in comm/step_label.cpp); 0: none. A joined rank's shadow
+  // all-reduces as many zeros first.
+  virtual int64_t step_label_elements() const { return 0; }
+  // Called before `run` for the step's first bucket when step_label_elements() > 0: start
+  // the exchange; that bucket's future then fails if the ranks' labels differ.
+  virtual void begin_step(const comm::OpLabel& /*label*/) {}
 };
 
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
@@ -43,6 +50,9 @@ class AllreduceSumHook final : public CommHook {
   bool reduces_in_place() const override { return bucket_ops_ != nullptr; }
   FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
                          const comm::OpLabel& label) override;
+  // On a group whose backend compares no labels itself (Gloo, the hierarchy).
+  int64_t step_label_elements() const override;
+  void begin_step(const comm::OpLabel& label) override;
 
  private:
   FuturePtr finish(const comm::WorkPtr& work);
@@ -52,6 +62,7 @@ class AllreduceSumHook final : public CommHook {
   bool inline_failed_ = false;
   c10::intrusive_ptr<c10d::Backend> backend_;  // keeps bucket_ops_ alive
   comm::BucketAllreduce* bucket_ops_ = nullptr;    // what backend_ offers, if it does
+  FuturePtr step_label_;  // begin_step's exchange, until the next run takes it
 };
 
 class PythonCommHook final : public CommHook {

@@ -206,6 +206,10 @@ void Reducer::launch(Bucket& bucket) {
   for (auto& callback : pre_launch_) callback(bucket);
   bucket.launch_ns = now_ns();
   const comm::OpLabel label{static_cast<int64_t>(bucket.index), forwards_, step_};
+  if (!step_labelled_ && step_label_elements() > 0) {  // See Note [Step labels over the group]
+    step_labelled_ = true;
+    hook_->begin_step(label);
+  }
   FuturePtr future = launches_in_place(bucket)
                          ? hook_->run_in_place(bucket, bucket.grads, scale_value_, label)
                          : hook_->run(bucket, layout_.size(), params_, label);

@@ -132,6 +132,7 @@ void Reducer::reset_step() {
   usage_.reset_step();
   timing_.reset_step();
   last_hooked_ = -1;
+  step_labelled_ = false;
 }
 
 std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {

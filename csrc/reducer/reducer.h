@@ -126,6 +126,11 @@ class Reducer {
 
   void set_comm_hook(std::unique_ptr<CommHook> hook);
   bool has_python_comm_hook() const { return python_hook_; }
+  // Elements of the label each synchronized step exchanges before its first bucket (See
+  // Note [Step labels over the group] in comm/step_label.cpp); 0: none.
+  int64_t step_label_elements() const {
+    return layout_.device().is_cpu() ? hook_->step_label_elements() : 0;
+  }
   void add_pre_launch(BucketCallback callback);
   void add_post_done(BucketCallback callback, bool reads_buffer = true);
   void set_launch_gate(LaunchGate gate);
@@ -232,6 +237,8 @@ class Reducer {
   // backward: part of each bucket's label (See Note [Collective identity] in
   // shm/collectives.cpp).
   int64_t forwards_ = 0;
+  bool step_labelled_ = false;  // this step's label went out (See Note [Step labels over the
+                                // group] in comm/step_label.cpp)
 };
 
 }  // namespace pycomm::reducer

@@ -29,18 +29,25 @@ class JoinFlags(Protocol):
 def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
     """The collectives of one synchronized backward, with zero gradients, in bucket order
     (see Note [Bucket order] in csrc/reducer/launch.cpp), preceded by the non-finite flag
-    all-reduce of local clipping (Note [Non-finite local norm] in csrc/reducer/local_clip.cpp)."""
+    all-reduce of local clipping (Note [Non-finite local norm] in csrc/reducer/local_clip.cpp)
+    and, on a Gloo group, the step's label exchange (Note [Step labels over the group] in
+    csrc/comm/step_label.cpp)."""
     group, reducer = sync.gradient_group, sync.reducer
     if nonfinite_flag:
         flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32,
                             device=sync.device)
         dist.all_reduce(flags, group=group)
+    pending = []
+    labels = reducer.step_label_elements()
+    if labels:  # the step's label exchange, zeros: no label (Note [Step labels over the group])
+        pending.append(dist.all_reduce(torch.zeros(labels, dtype=torch.int64), group=group,
+                                       async_op=True))
     buckets = reducer.zeros_like_grad_buckets()
     if sync.comm_hook is None:
-        pending = [dist.all_reduce(b.buffer(), group=group, async_op=True) for b in buckets]
+        pending += [dist.all_reduce(b.buffer(), group=group, async_op=True) for b in buckets]
     else:
         state, hook = sync.comm_hook
-        pending = [hook(state, b) for b in buckets]
+        pending += [hook(state, b) for b in buckets]
     for p in pending:
         p.wait()
     used = None

@@ -33,10 +33,14 @@ def _reduce_in_fp32(rank, world_size):
 
 def _join_uneven(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    for divide, hook in ((True, False), (False, False), (True, True)):
+    # shm=False: on the Gloo group a joined rank shadows each step's label exchange with
+    # zeros (Note [Step labels over the group] in csrc/comm/step_label.cpp).
+    for divide, hook, shm in ((True, False, True), (False, False, True), (True, True, True),
+                              (True, False, False), (True, True, False)):
         base = build("mlp")
         models = [TorchDDP(copy.deepcopy(base)),
-                  pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=1e-3)]
+                  pycomm.DistributedDataParallel(copy.deepcopy(base), config=pycomm.DDPConfig(
+                      bucket_cap_mb=1e-3, shared_memory_gradients=shm))]
         for m in models:
             if hook:  # joined ranks shadow the buckets through the hook
                 m.register_comm_hook(None, allreduce_hook)
@@ -46,8 +50,8 @@ def _join_uneven(rank, world_size):
                     opt.zero_grad()
                     loss_of(m(make_input("mlp", rank, step))).backward()
                     opt.step()
-        assert_same(models[0], models[1], f"join divide={divide} hook={hook}", exact=True,
-                    grads=False)
+        assert_same(models[0], models[1], f"join divide={divide} hook={hook} shm={shm}",
+                    exact=True, grads=False)
 
 
 def _join_after_set_static_graph(rank, world_size):

@@ -1,11 +1,13 @@
-"""A rank whose steps fall out of line with the others' (See Note [Collective identity] in
-csrc/shm/collectives.cpp). A rank that runs a forward without its backward, or a no_sync
-micro-step alone, would reduce its next step with the others' previous one: torch's DDP
-lets that rank finish with parameters averaged against stale gradients. pycomm's buckets
-carry their step's identity, so both ranks raise at that very collective, naming each
-other and what each was at, well within the group timeout. What every rank does alike
+"""A rank whose steps fall out of line with the others'. A rank that runs a forward without
+its backward, or a no_sync micro-step alone, would reduce its next step with the others'
+previous one: torch's DDP lets that rank finish with parameters averaged against stale
+gradients. pycomm's buckets carry their step's identity, compared in shared memory on its
+own backend (See Note [Collective identity] in csrc/shm/collectives.cpp) and in one small
+all-reduce per step on a Gloo group (Note [Step labels over the group] in
+csrc/comm/step_label.cpp), so both ranks raise at that very collective, naming each other
+and what each was at, well within the group timeout. What every rank does alike
 (accumulation under no_sync, evaluation under torch.no_grad() on one rank only) trains
-as torch's DDP."""
+as torch's DDP, on both kinds of group."""
 
 from __future__ import annotations
 
@@ -37,9 +39,11 @@ def _step(ddp, opt, x, backward=True):
         opt.step()
 
 
-def _out_of_line(rank, world_size, lagging, how):
-    ddp = pycomm.DistributedDataParallel(tanh_mlp(), bucket_cap_mb=0.001)
-    assert ddp.gradient_group is not dist.group.WORLD  # the shared-memory group
+def _out_of_line(rank, world_size, lagging, how, shm):
+    ddp = pycomm.DistributedDataParallel(tanh_mlp(), config=pycomm.DDPConfig(
+        bucket_cap_mb=0.001, shared_memory_gradients=shm))
+    # the shared-memory group, or the world's Gloo group
+    assert (ddp.gradient_group is not dist.group.WORLD) == shm
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     _step(ddp, opt, _batch(rank, 0))
     start = time.monotonic()
@@ -65,21 +69,29 @@ def _out_of_line(rank, world_size, lagging, how):
             in said), said
     assert "skipped a backward" in said, said
     assert "frame #" not in said, said  # the backend's message, without a C++ backtrace
-    # the failed buckets, reduced in place, are not counted among the reduced ones
-    assert re.search(r"bucket\(s\) 0(, \d+)*, reduced in place, failed partway", said), said
-    assert "are already the reduced ones" not in said, said
+    if shm:  # the failed buckets, reduced in place, are not counted among the reduced ones
+        assert re.search(r"bucket\(s\) 0(, \d+)*, reduced in place, failed partway", said), said
+        assert "are already the reduced ones" not in said, said
+    else:
+        assert "the collective of bucket 0 of" in said, said
     assert elapsed < _TIMEOUT_S / 4, elapsed  # detected at once, not by the timeout
 
 
+GROUPS = {"shared memory": True, "gloo": False}
+
+
+@pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("how", ["no backward", "no_sync alone"])
-def test_a_rank_out_of_line_fails_both_ranks_at_once(how):
-    run_ranks(_out_of_line, 2, group_timeout_s=_TIMEOUT_S, lagging=1, how=how)
+def test_a_rank_out_of_line_fails_both_ranks_at_once(how, group):
+    run_ranks(_out_of_line, 2, group_timeout_s=_TIMEOUT_S, lagging=1, how=how,
+              shm=GROUPS[group])
 
 
-def _in_line(rank, world_size):
+def _in_line(rank, world_size, shm):
     base = tanh_mlp()
     ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=0.001)
-    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.001)
+    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), config=pycomm.DDPConfig(
+        bucket_cap_mb=0.001, shared_memory_gradients=shm))
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     for step in range(4):
         for ddp, opt in zip((ref, ours), opts):
@@ -95,5 +107,6 @@ def _in_line(rank, world_size):
         assert torch.equal(a, b), name  # 2 ranks: each sum one commutative addition
 
 
-def test_what_every_rank_does_alike_trains_as_torch_ddp():
-    run_ranks(_in_line, 2)
+@pytest.mark.parametrize("group", GROUPS)
+def test_what_every_rank_does_alike_trains_as_torch_ddp(group):
+    run_ranks(_in_line, 2, shm=GROUPS[group])

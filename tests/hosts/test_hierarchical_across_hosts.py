@@ -7,12 +7,18 @@ each all-reduce S/L bytes with one rank per other host, so a host sends 2(H-1)/H
 Flat Gloo ring over n = H x L ranks (ranks host by host): each host's last rank sends
 2(n-1)/n x S to the next host's first, so a host sends 2(n-1)/n x S (1.5 S at 2 x 2,
 against S). Counted bytes include TCP/IP/Ethernet headers, Gloo's message headers and
-the ACKs a host sends for what it receives: hence the 5% margin."""
+the ACKs a host sends for what it receives: hence the 5% margin.
+
+A rank that skips a backward makes every rank of both hosts raise at the next step's first
+bucket: each step's label is exchanged over the hierarchical group (Note [Step labels over
+the group] in csrc/comm/step_label.cpp)."""
 
 from __future__ import annotations
 
 import copy
+import time
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -20,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import pycomm
 import pycomm.shm
 from pycomm.testing.hosts import Hosts
-from tests.support.ddp_models import build, train_against
+from tests.support.ddp_models import build, loss_of, make_input, train_against
 from tests.support.hosts_fixture import needs_hosts, nothing_left_behind  # noqa: F401
 
 pytestmark = needs_hosts
@@ -97,6 +103,34 @@ def test_ddp_reduces_hierarchically_across_hosts():
                                              timeout=180, group_timeout_s=60)]
     assert values == [{"host": r // 2, "hosts": 2, "local_rank": r % 2, "ranks_per_host": 2}
                       for r in range(4)]
+
+
+def _skips_a_backward(rank, world_size, lagging):
+    ddp = pycomm.DistributedDataParallel(build("mlp"), bucket_cap_mb=1e-3)
+    assert pycomm.shm.hierarchy(ddp.gradient_group) is not None
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as raised:
+        for step in range(3):
+            if rank == lagging and step == 1:
+                ddp(make_input("mlp", rank, 99))  # a forward with grad enabled, no backward
+            opt.zero_grad()
+            loss_of(ddp(make_input("mlp", rank, step))).backward()
+            opt.step()
+    return str(raised.value), time.monotonic() - start
+
+
+def test_a_rank_that_skips_a_backward_fails_every_rank_across_hosts():
+    with Hosts(2) as hosts:
+        results = [r.value for r in hosts.run(_skips_a_backward, ranks_per_host=2,
+                                              timeout=120, group_timeout_s=60,
+                                              kwargs={"lagging": 3})]
+    for rank, (said, elapsed) in enumerate(results):
+        assert "are in different collectives" in said, (rank, said)
+        # every rank names the lagging one (and itself): after 2 forwards against 1
+        assert "rank 3 is at bucket 0" in said or "rank 3 at bucket 0" in said, (rank, said)
+        assert "after 2 forward(s)" in said and "after 1 forward(s)" in said, (rank, said)
+        assert elapsed < 20, (rank, elapsed)  # at that bucket, not at the group timeout
 
 
 def test_collectives_benchmark_measures_the_hierarchy(tmp_path):
