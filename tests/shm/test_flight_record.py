@@ -81,6 +81,24 @@ def test_a_hung_rank_is_named_behind_at_its_operation(tmp_path):
     assert "rank 1 is behind" in out and "# group pycomm-" in out, out
 
 
+def test_torchs_analyzer_reads_the_records_and_names_the_hung_rank(tmp_path):
+    run_ranks(_hung, 2, backend="pycomm", group_timeout_s=2.0, directory=str(tmp_path))
+    out_dir = tmp_path / "torch"
+    out = subprocess.run([sys.executable, "-m", "pycomm.flight_record", str(tmp_path),
+                          "--torch-dir", str(out_dir)],
+                         capture_output=True, text=True, check=True).stdout
+    (group,) = out_dir.iterdir()
+    assert f"fr_trace {group} --prefix rank_" in out, out
+    analysis = subprocess.run([sys.executable, "-m",
+                               "torch.distributed.flight_recorder.fr_trace", str(group),
+                               "--prefix", "rank_"], capture_output=True, text=True)
+    said = analysis.stdout + analysis.stderr
+    assert analysis.returncode == 0, said
+    # torch's own words: the fourth all-reduce (pycomm's #3) lacks rank 1
+    assert "Not all ranks joining collective, sequence number: 3" in said, said
+    assert "missing ranks: {1}" in said and "gloo:all_reduce" in said, said
+
+
 def _skipped(rank, world_size, directory):
     os.environ["PYCOMM_FLIGHT_RECORD_DIR"] = directory
     ddp = pycomm.DistributedDataParallel(tanh_mlp(), bucket_cap_mb=0.001)
