@@ -58,6 +58,11 @@ IMPLS = {
     # place] in csrc/reducer/in_place.cpp): only with --impls, for comparison.
     "pycomm_bucketed": lambda m, **kw: PycommDDP(m, config=DDPConfig(in_place_reduction=False,
                                                                      **kw)),
+    # pycomm on the group's own Gloo backend, as with one rank per host: no shared memory,
+    # a step label exchange per step (Note [Step labels over the group] in
+    # csrc/comm/step_label.cpp): only with --impls, for comparison.
+    "pycomm_gloo": lambda m, **kw: PycommDDP(m, config=DDPConfig(shared_memory_gradients=False,
+                                                                 **kw)),
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),
