@@ -57,9 +57,15 @@ ShmBackend::ShmBackend(const std::string& name, int rank, int size,
   collectives_ = std::make_shared<Executor>();
   sends_ = std::make_shared<Executor>();
   receives_ = std::make_shared<Executor>();
+  register_flight_dump(this, [this](const std::string& dir) {  // Note [Flight records on a signal]
+    dump_flight_record(dir + "/" + flight_record_name());
+  });
 }
 
-ShmBackend::~ShmBackend() { stop(); }
+ShmBackend::~ShmBackend() {
+  unregister_flight_dump(this);
+  stop();
+}
 
 std::map<std::string, int64_t> ShmBackend::stats() const {
   std::map<std::string, int64_t> out;

@@ -3,12 +3,17 @@
 
 #include <c10/util/Exception.h>
 
+#include <semaphore.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <thread>
 
 #include "shm/collectives.h"
 
@@ -182,6 +187,87 @@ void FlightRecorder::write(const std::string& path, int rank, int world) const {
 std::string flight_record_dir() {
   const char* dir = std::getenv("PYCOMM_FLIGHT_RECORD_DIR");
   return dir == nullptr ? std::string() : std::string(dir);
+}
+
+// Note [Flight records on a signal]
+// A rank that hangs writes its record only when its group fails on it, at the group's
+// timeout. To look before that, send every rank SIGUSR2 (kFlightDumpSignal):
+// `pkill -USR2 -f train.py`, or torchrun's workers by pid. Python's own signal handlers
+// cannot do it: they run on the main thread between bytecodes, and a hung rank's main
+// thread is inside a collective's wait in C++. So when $PYCOMM_FLIGHT_RECORD_DIR is set
+// and the signal has no handler yet, the first "pycomm" group installs a C handler that
+// only posts a semaphore (async-signal-safe), and a thread of pycomm's, waiting on it,
+// writes every live group's record into the directory (the same files as at a failure).
+// A handler the program installed first is left alone (no dump then: the docs say so),
+// and the signal keeps its default (terminate) where the variable is not set.
+namespace {
+
+struct FlightDumps {
+  std::mutex mutex;  // writers, and a write that is running
+  std::map<const void*, std::function<void(const std::string&)>> writers;
+  sem_t wake;
+  bool installed = false;
+};
+
+FlightDumps& flight_dumps() {
+  static FlightDumps* dumps = new FlightDumps();  // never destroyed: its thread outlives main
+  return *dumps;
+}
+
+sem_t* g_flight_wake = nullptr;  // what the handler posts, set before it is installed
+
+extern "C" void on_flight_signal(int /*signal*/) {
+  if (g_flight_wake != nullptr) sem_post(g_flight_wake);
+}
+
+void write_on_signal(FlightDumps* dumps) {
+  for (;;) {
+    if (sem_wait(&dumps->wake) != 0) continue;  // EINTR
+    const std::string dir = flight_record_dir();
+    std::lock_guard<std::mutex> lock(dumps->mutex);
+    for (const auto& entry : dumps->writers) {
+      try {
+        entry.second(dir);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "pycomm: could not write the flight record into %s: %s\n", dir.c_str(),
+                     e.what());
+      }
+    }
+  }
+}
+
+// Under dumps.mutex.
+void install_flight_signal(FlightDumps& dumps) {
+  if (dumps.installed || flight_record_dir().empty()) return;
+  dumps.installed = true;
+  struct sigaction current{};
+  if (sigaction(kFlightDumpSignal, nullptr, &current) != 0 || current.sa_handler != SIG_DFL ||
+      (current.sa_flags & SA_SIGINFO) != 0) {
+    return;  // the program's own handler
+  }
+  if (sem_init(&dumps.wake, 0, 0) != 0) return;
+  g_flight_wake = &dumps.wake;
+  std::thread(write_on_signal, &dumps).detach();
+  struct sigaction action{};
+  action.sa_handler = on_flight_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESTART;
+  sigaction(kFlightDumpSignal, &action, nullptr);
+}
+
+}  // namespace
+
+void register_flight_dump(const void* owner, std::function<void(const std::string&)> write) {
+  FlightDumps& dumps = flight_dumps();
+  std::lock_guard<std::mutex> lock(dumps.mutex);
+  dumps.writers[owner] = std::move(write);
+  install_flight_signal(dumps);
+}
+
+void unregister_flight_dump(const void* owner) {
+  FlightDumps& dumps = flight_dumps();
+  std::lock_guard<std::mutex> lock(dumps.mutex);
+  dumps.writers.erase(owner);
 }
 
 }  // namespace pycomm::shm

@@ -3,6 +3,9 @@
 // the group's first failure (See Note [Flight recorder] in flight.cpp).
 #pragma once
 
+#include <csignal>
+#include <functional>
+
 #include <c10/core/ScalarType.h>
 
 #include <atomic>
@@ -72,5 +75,15 @@ class FlightRecorder {
 // Where the flight records go at a group's first failure: $PYCOMM_FLIGHT_RECORD_DIR, or ""
 // (then nothing is written; the records stay readable in memory).
 std::string flight_record_dir();
+
+// The signal that makes every live group write its record into flight_record_dir() (See
+// Note [Flight records on a signal] in flight.cpp).
+constexpr int kFlightDumpSignal = SIGUSR2;
+
+// While registered, `write(dir)` runs (on a thread of its own) when the process receives
+// kFlightDumpSignal and $PYCOMM_FLIGHT_RECORD_DIR was set at the first registration;
+// unregister waits for a write that is running. `owner` is the key.
+void register_flight_dump(const void* owner, std::function<void(const std::string&)> write);
+void unregister_flight_dump(const void* owner);
 
 }  // namespace pycomm::shm

@@ -1,12 +1,15 @@
 """The flight recorder of a "pycomm" group (See Note [Flight recorder] in
 csrc/shm/flight.cpp): every operation recorded with its number, what it was and how far it
 got; written by the backend at the group's first failure into $PYCOMM_FLIGHT_RECORD_DIR,
-or on demand; merged by `python -m pycomm.flight_record`, which names the rank that is
-behind, or the one that ran a forward the others did not."""
+or on demand (a call, or SIGUSR2 while a rank is stuck in a collective); merged by
+`python -m pycomm.flight_record`, which names the rank that is behind, or the one that ran
+a forward the others did not."""
 
 from __future__ import annotations
 
+import glob
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -97,6 +100,40 @@ def test_torchs_analyzer_reads_the_records_and_names_the_hung_rank(tmp_path):
     # torch's own words: the fourth all-reduce (pycomm's #3) lacks rank 1
     assert "Not all ranks joining collective, sequence number: 3" in said, said
     assert "missing ranks: {1}" in said and "gloo:all_reduce" in said, said
+
+
+def _dumped_while_stuck(rank, world_size, directory):
+    # Set before the group exists: the first "pycomm" group installs the handler.
+    os.environ["PYCOMM_FLIGHT_RECORD_DIR"] = directory
+    group = dist.new_group(backend="pycomm")
+    pids = [0] * world_size
+    dist.all_gather_object(pids, os.getpid())
+    dist.all_reduce(torch.ones(8), group=group)
+    if rank == 1:
+        dist.all_reduce(torch.ones(8), group=group)  # waits, in C++, until rank 0's
+        return
+    time.sleep(0.5)  # rank 1 is in that wait by now
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR2)
+    deadline = time.monotonic() + 20
+    while (len(glob.glob(os.path.join(directory, "*_rank*.json"))) < world_size
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    time.sleep(0.2)  # the files are written whole before the next one appears
+    dist.all_reduce(torch.ones(8), group=group)  # lets rank 1 go
+
+
+def test_sigusr2_writes_every_ranks_record_while_one_is_stuck(tmp_path):
+    run_ranks(_dumped_while_stuck, 2, directory=str(tmp_path))
+    groups = flight_record.load(str(tmp_path))
+    assert len(groups) == 1, os.listdir(tmp_path)
+    records = next(iter(groups.values()))
+    assert [r["rank"] for r in records] == [0, 1], records
+    said = flight_record.report(records)
+    # rank 1 was inside the all-reduce rank 0 had not issued yet
+    assert "rank 0 is behind" in said and "rank(s) [1] went up to" in said, said
+    stuck = records[1]["entries"][-1]
+    assert stuck["op"] == "all_reduce" and stuck["state"] == "started", stuck
 
 
 def _skipped(rank, world_size, directory):
