@@ -58,9 +58,12 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
   c10::List<FuturePtr> both(c10::FutureType::create(c10::AnyType::get()));
   both.push_back(step_label);
   both.push_back(reduced);
+  // collectAll fails at the first error, the other future perhaps still running (a dead
+  // peer fails the bucket before the label): rethrow that error, read neither.
   return c10::collectAll(both)->then(
-      [step_label, reduced](c10::ivalue::Future& /*all*/) {
-        step_label->value();  // rethrows a label mismatch
+      [step_label, reduced](c10::ivalue::Future& all) {
+        if (all.hasError()) std::rethrow_exception(all.exception_ptr());
+        step_label->value();  // completed: a label mismatch would have failed `all`
         return reduced->value();
       },
       reduced->elementType());
