@@ -8,7 +8,7 @@ For each rate: make 2 hosts joined by a link shaped to that rate (pycomm/testing
    timelines, and replay each step through the fitted model (pycomm.overlap.replay): the
    predicted backward should be the measured one.
 
-    sudo python benchmarks/hosts_alpha_beta.py --rates 1,10 [--json out.json]
+    python benchmarks/hosts_alpha_beta.py --rates 1,10 [--json out.json]    # as root
 
 The rate under tbf counts Ethernet frames; a TCP stream carries about 94-97% of it as
 payload (headers, ACKs), which the fit sees as a lower bus bandwidth. There is no added

@@ -1,7 +1,7 @@
 """What recording the per-step timeline costs: pycomm DDP with record_timeline on and off,
 side by side in the same processes.
 
-    python benchmarks/overlap_overhead.py [--reps 15] [--steps 3] [--json PATH]
+    python benchmarks/overlap_overhead.py [--reps 15] [--steps 4] [--json PATH]
 
 Two measurements:
   benchmark model, 2 Gloo ranks: `pycomm-bench ddp`'s ~25M-parameter MLP, one wrapper

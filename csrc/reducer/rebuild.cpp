@@ -1,6 +1,6 @@
-// The recorded step (see rebuild.h): its ready order, and which parameters' gradients
-// become ready together, the gradient groups the one bucket rebuild keeps whole (see
-// assign_buckets in bucket.h).
+// The recorded step (See Note [Bucket rebuild] in rebuild.h): its ready order, and which
+// parameters' gradients become ready together, the gradient groups the one bucket rebuild
+// keeps whole (see assign_buckets in bucket.h).
 #include "reducer/rebuild.h"
 
 #include <unordered_map>

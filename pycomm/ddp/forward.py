@@ -56,10 +56,11 @@ class ForwardSync:
                 p.main_grad = view
 
     def rebuild_buckets_if_due(self) -> bool:
-        """Once, after the first synchronized step: buckets re-cut in rank 0's observed
-        gradient-ready order, a burst of gradients from one autograd node split across
-        buckets only where each part fills one (See Note [Gradient groups] in
-        csrc/reducer/rebuild.cpp); broadcast, so every rank gets the same layout."""
+        """Once, after the first synchronized step (See Note [Bucket rebuild] in
+        csrc/reducer/rebuild.h): buckets re-cut in rank 0's observed gradient-ready order,
+        a burst of gradients from one autograd node split across buckets only where each
+        part fills one (See Note [Gradient groups] in csrc/reducer/rebuild.cpp);
+        broadcast, so every rank gets the same layout."""
         if not self.reducer.should_rebuild_buckets():
             return False
         seen = torch.tensor([self.reducer.ready_order(), self.reducer.ready_groups()],
