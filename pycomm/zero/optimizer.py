@@ -1,0 +1,585 @@
+"""pycomm.ZeroRedundancyOptimizer: torch's constructor and API; each rank keeps and steps
+the optimizer state of its shard only (See Note [Flat shards of a bucket] in layout.py).
+
+Note [Sharding on the reducer]
+On the parameters of a pycomm.DistributedDataParallel it changes what the DDP's reducer
+does with each bucket (a communication hook, registered at construction):
+- backward: a bucket's gradients are reduce-scattered the moment the bucket is complete
+  (on the DDP's gradient group: the shared-memory group on one host, the hierarchy across
+  hosts), so each rank receives the averaged gradients of its range only; the tail is
+  all-reduced. On a plain Gloo group, whose reduce-scatter is one all-reduce per rank, the
+  bucket is all-reduced instead (the same bytes as DDP) and the rank reads its range.
+- step: the wrapped optimizer steps this rank's pieces: views of the parameters (fp32,
+  fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with
+  gradients read from the bucket where the reduce-scatter left them (widened to fp32 for a
+  low-precision bucket). 1/world of the optimizer's state and memory traffic per rank.
+- then every bucket's parameters are all-gathered, last bucket first (the first layers
+  are in the last bucket): each parameter is a view of its bucket's flat parameter buffer,
+  which the all-gather fills in place. With overlap_with_ddp=True the all-gathers run
+  behind the next forward: a forward pre-hook of each module waits for the buckets of its
+  own parameters; the module's state_dict(), the next step() and wait_for_params() wait
+  for all. Without it step() returns with the parameters gathered (torch's semantics).
+param.grad after backward holds the averaged gradient on the elements this rank owns;
+elsewhere it holds what the reduce-scatter left (not the average). Clip with
+ddp.clip_grad_norm_, pycomm.clip_grad_norm_ or this optimizer's clip_grad_norm_, which
+take the global norm from the shards.
+
+Without a pycomm DDP (gradients already averaged in param.grad, e.g. by torch's DDP) it
+does what torch's ZeroRedundancyOptimizer does, on flat shards: step its pieces, all-gather
+the parameters.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.optim import Optimizer
+
+from .. import _C
+from ..ddp.registry import owner_of
+from . import layout as shard_layout
+from .layout import BucketShard, Piece
+from .state import SHARD_FORMAT, cut_state, shard_runs, whole_states
+
+# Optimizers whose update of an element reads only that element's gradient and state, and
+# so step flat pieces exactly as whole tensors (See Note [Flat shards of a bucket]).
+ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
+    "SGD", "Adam", "AdamW", "Adamax", "Adagrad", "Adadelta", "RMSprop", "NAdam", "RAdam",
+    "Rprop", "ASGD"))
+
+_STANDALONE_BUCKET_BYTES = 25 * 1024 * 1024
+# torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The state entry holding a low-precision parameter's fp32 main copy in state dicts (a
+# plain optimizer loading a consolidated dict keeps it and never reads it).
+MAIN_KEY = "pycomm_main_param"
+_WIDENED = (torch.float16, torch.bfloat16)
+
+# id(param) -> (param, optimizer), both weak (as pycomm/ddp/registry.py's).
+_registry: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def sharding_optimizer(param: torch.Tensor) -> Optional[ZeroRedundancyOptimizer]:
+    """The ZeroRedundancyOptimizer that shards `param`, if any (clipping asks)."""
+    refs = _registry.get(id(param))
+    if refs is None or refs[0]() is not param:
+        return None
+    return refs[1]()
+
+
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
+    """torch.distributed.optim.ZeroRedundancyOptimizer's constructor and API, with flat
+    shards, reduce-scattered gradients and all-gathered parameters on a pycomm DDP (See
+    Note [Sharding on the reducer])."""
+
+    def __init__(self, params: Iterable, optimizer_class: type[Optimizer],
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
+                 **defaults: Any):
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
+            name = getattr(optimizer_class, "__name__", repr(optimizer_class))
+            raise ValueError(
+                f"ZeroRedundancyOptimizer: {name} is not an elementwise optimizer; flat shards "
+                f"step a parameter in pieces, exact only for optimizers whose update of an "
+                f"element reads that element alone: "
+                f"{', '.join(c.__name__ for c in ELEMENTWISE)} (and subclasses)")
+        Optimizer.__init__(self, params, defaults)
+        Joinable.__init__(self)
+        self._optimizer_class = optimizer_class
+        self.parameters_as_bucket_view = parameters_as_bucket_view
+        self.overlap_with_ddp = overlap_with_ddp
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
+        self._ddp = self._find_ddp()
+        if self._ddp is not None:
+            self._params = [p for _, p in self._ddp._named_params]
+            self._names = [n for n, _ in self._ddp._named_params]
+            group = self._ddp.process_group if process_group is None else process_group
+            self._comm_group = self._ddp.gradient_group
+        else:
+            self._params = list(self._all_params)
+            self._names = [f"params[{i}]" for i in range(len(self._params))]
+            group = process_group or dist.distributed_c10d._get_default_group()
+            self._comm_group = group
+        self.process_group = group
+        self.world_size = dist.get_world_size(self._comm_group)
+        self.rank = dist.get_rank(self._comm_group)
+        self.global_rank = dist.get_global_rank(self._comm_group, self.rank)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._check_params()
+        self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
+        self._signature = None
+        self._stepped = False
+        self.optim: Optional[Optimizer] = None
+        self._relayout(whole=None)
+        if self._ddp is not None:
+            self._attach(self._ddp)
+        me = weakref.ref(self)
+        for p in self._params:
+            _registry[id(p)] = (weakref.ref(p), me)
+
+    # ---- where the parameters are ------------------------------------------------------
+
+    def _find_ddp(self):
+        """The pycomm DDP whose trainable parameters these are (frozen ones, which never
+        get a gradient, may be anyone's), or None."""
+        trainable = [p for p in self._all_params if p.requires_grad]
+        owners = {id(owner_of(p)): owner_of(p) for p in trainable}
+        if len(owners) == 1 and None in owners.values():
+            return None
+        if None in owners.values() or len(owners) > 1:
+            first = next(p for p in trainable if owner_of(p) is None) \
+                if None in owners.values() else None
+            what = (f"parameter {self._describe(first)} is not one of a "
+                    f"pycomm.DistributedDataParallel's" if first is not None
+                    else "its parameters belong to several DistributedDataParallel modules")
+            raise ValueError(f"ZeroRedundancyOptimizer (rank {dist.get_rank()}): {what}; pass "
+                             f"the parameters of one wrapped module (model.parameters() of "
+                             f"the DDP), or none of a pycomm DDP")
+        return next(iter(owners.values()))
+
+    def _describe(self, p: torch.Tensor) -> str:
+        for g, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"param_groups[{g}]['params'][{i}] (shape {tuple(p.shape)})"
+        return f"(shape {tuple(p.shape)})"
+
+    def _check_params(self) -> None:
+        mine = {id(p) for p in self._all_params}
+        if self._ddp is None:
+            return
+        missing = [n for n, p in zip(self._names, self._params) if id(p) not in mine]
+        if missing:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer (rank {self.global_rank}): the wrapped module's "
+                f"parameter {missing[0]!r} (and {len(missing) - 1} more) is not in the "
+                f"optimizer; on a pycomm DDP it shards every trainable parameter of the module "
+                f"(the all-gather rewrites whole buckets): pass them all")
+
+    def _buckets(self) -> list[list[int]]:
+        if self._ddp is not None:
+            return [list(b) for b in self._ddp.reducer.bucket_indices()]
+        order = list(reversed(range(len(self._params))))
+        return [sorted(b) for b in _C.assign_buckets(self._params, order,
+                                                     [_STANDALONE_BUCKET_BYTES])]
+
+    # ---- the layout: flat parameter buffers, pieces, the wrapped optimizer ------------
+
+    def _relayout(self, whole: Optional[dict[int, dict]]) -> None:
+        """Cut the current buckets; parameters become views of per-bucket flat buffers; the
+        wrapped optimizer is built over this rank's pieces and given `whole` (per parameter
+        index, whole states) cut to them."""
+        buckets = self._buckets()
+        self._signature = shard_layout.signature(buckets)
+        self._shards: list[BucketShard] = shard_layout.cut(buckets, self._params,
+                                                           self.world_size, self.rank)
+        self._flat: list[torch.Tensor] = []
+        with torch.no_grad():
+            for shard in self._shards:
+                first = self._params[shard.params[0]]
+                flat = torch.empty(shard.numel, dtype=first.dtype, device=first.device)
+                for i, off, n in zip(shard.params, shard.offsets, shard.lengths):
+                    p = self._params[i]
+                    flat[off:off + n].copy_(p.detach().reshape(-1))
+                    p.data = flat[off:off + n].view(p.shape)
+                self._flat.append(flat)
+        self._pieces: list[tuple[BucketShard, Piece, torch.Tensor]] = []
+        group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        inner_groups = [dict(g, params=[]) for g in self.param_groups]
+        for shard, flat in zip(self._shards, self._flat):
+            for piece in shard.pieces:
+                run = flat[piece.flat:piece.flat + piece.numel]
+                main = run.float() if run.dtype in _WIDENED else run
+                self._pieces.append((shard, piece, main))
+                inner_groups[group_of[id(self._params[piece.param])]]["params"].append(main)
+        keep = [g for g in inner_groups if g["params"]] or [dict(inner_groups[0])]
+        self._inner_group_of = [i for i, g in enumerate(inner_groups) if g["params"]]
+        options = {k: v for k, v in self.defaults.items()}
+        self.optim = self._optimizer_class(keep if keep[0]["params"] else
+                                           [torch.zeros(0)], **options)
+        self._sync_groups(into_inner=False)
+        if whole:
+            self._load_whole(whole)
+
+    def _sync_groups(self, into_inner: bool = True) -> None:
+        """Hyperparameters (lr from a scheduler...) between the full groups and the wrapped
+        optimizer's: self.param_groups is the one users and schedulers change."""
+        for inner_index, outer_index in enumerate(self._inner_group_of):
+            inner, outer = self.optim.param_groups[inner_index], self.param_groups[outer_index]
+            for key, value in (outer if into_inner else inner).items():
+                if key != "params":
+                    (inner if into_inner else outer)[key] = value
+
+    # ---- the DDP side -----------------------------------------------------------------
+
+    def _attach(self, ddp) -> None:
+        if ddp._sync.comm_hook is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
+                               "collective with a reduce-scatter; this DDP already has a "
+                               "communication hook registered")
+        reduce_scatter = dist.get_backend(self._comm_group) == "pycomm"
+        ddp.register_comm_hook(_HookState(self, reduce_scatter), _reduce_scatter_hook)
+        self._hook_handles = []
+        by_module: dict[nn.Module, set[int]] = {}
+        bucket_of = {}
+        for shard in self._shards:
+            for i in shard.params:
+                bucket_of[id(self._params[i])] = shard.index
+        for module in ddp.module.modules():
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)
+                   if id(p) in bucket_of}
+            if own:
+                by_module[module] = own
+        weak = weakref.ref(self)
+
+        def wait_module(module, _args):
+            zero = weak()
+            if zero is not None and zero._pending:
+                zero._wait_buckets(zero._module_buckets.get(module, ()))
+
+        def wait_all(*_args):
+            zero = weak()
+            if zero is not None and zero._pending:
+                zero.wait_for_params()
+
+        self._module_buckets = by_module
+        for module in by_module:
+            self._hook_handles.append(module.register_forward_pre_hook(wait_module))
+        # what reads the parameters other than a module's forward
+        self._hook_handles.append(ddp.module.register_forward_hook(wait_all))
+        self._hook_handles.append(ddp.module.register_state_dict_pre_hook(wait_all))
+
+    def _wait_buckets(self, buckets) -> None:
+        for b in buckets:
+            work = self._pending.pop(b, None)
+            if work is not None:
+                work.wait()
+
+    def wait_for_params(self) -> None:
+        """Wait for every pending parameter all-gather (overlap_with_ddp=True leaves them
+        running behind the next forward)."""
+        self._wait_buckets(list(self._pending))
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def _grad_source(self, index: int) -> Optional[torch.Tensor]:
+        """Parameter `index`'s averaged gradient, flat (None: it has none this step, as a
+        parameter no rank used, whose .grad torch's DDP leaves None)."""
+        p = self._params[index]
+        if self._ddp is None:
+            return None if p.grad is None else p.grad.reshape(-1)
+        if p.grad is None and not (self._ddp.config.main_grad_only and
+                                   getattr(p, "main_grad", None) is not None):
+            return None
+        return self._ddp.reducer.grad_view(index).reshape(-1)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.wait_for_params()
+        if self._ddp is not None and shard_layout.signature(self._buckets()) != self._signature:
+            self._relayout(self._whole_states())  # the reducer re-cut its buckets
+        self._sync_groups()
+        sources: dict[int, Optional[torch.Tensor]] = {}
+        for _, piece, main in self._pieces:
+            if piece.param not in sources:
+                sources[piece.param] = self._grad_source(piece.param)
+            src = sources[piece.param]
+            if src is None:
+                main.grad = None
+                continue
+            run = src[piece.lo:piece.hi]
+            main.grad = run if run.dtype == main.dtype else run.to(main.dtype)
+        self.optim.step(**kwargs)
+        self._sync_groups(into_inner=False)
+        for shard, piece, main in self._pieces:
+            run = self._flat[shard.index][piece.flat:piece.flat + piece.numel]
+            if run.data_ptr() != main.data_ptr():
+                run.copy_(main)
+        self._stepped = True
+        self._gather()
+        return loss
+
+    def _gather(self) -> None:
+        """All-gather every bucket's parameters, last bucket first."""
+        world, rank = self.world_size, self.rank
+        for shard in reversed(self._shards):
+            s = shard.shard
+            if world == 1 or s == 0:
+                continue
+            flat = self._flat[shard.index]
+            work = _all_gather(flat[:world * s], flat[rank * s:(rank + 1) * s],
+                                               group=self._comm_group, async_op=True)
+            self._pending[shard.index] = work
+        if not (self.overlap_with_ddp and self._ddp is not None):
+            self.wait_for_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self._all_params:
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_() if p.grad.grad_fn is not None else p.grad.zero_()
+        for _, _, main in self._pieces:
+            main.grad = None
+
+    # ---- clipping ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the averaged gradients by their global norm, as torch.nn.utils.
+        clip_grad_norm_ over the whole model would: the norm from every rank's range (the
+        tail counted once), one all-reduce of the partial, the pieces scaled."""
+        norm_type = float(norm_type)
+        runs, tail_runs = [], []
+        for shard, piece, _ in self._pieces:
+            src = self._grad_source(piece.param)
+            if src is None:
+                continue
+            (tail_runs if shard.owner(piece.flat) < 0 else runs).append(src[piece.lo:piece.hi])
+        counted = runs + (tail_runs if self.rank == 0 else [])
+        device = self._params[0].device
+        inf = norm_type == float("inf")
+        if counted:
+            norms = torch.stack([torch.linalg.vector_norm(r, norm_type, dtype=torch.float32)
+                                 for r in counted])
+            part = norms.max() if inf else norms.pow(norm_type).sum()
+        else:
+            part = torch.zeros((), device=device)
+        part = part.to(torch.float64).reshape(1)
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                        group=self._comm_group)
+        total = (part[0] if inf else part[0].pow(1.0 / norm_type)).to(torch.float32)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        scaled = runs + tail_runs
+        if scaled:
+            torch._foreach_mul_(scaled, coef.to(scaled[0].dtype))
+        return total
+
+    # ---- state -------------------------------------------------------------------------
+
+    def _my_runs(self, include_tail: bool = True) -> list[tuple[Piece, dict]]:
+        out = []
+        for shard, piece, main in self._pieces:
+            if not include_tail and shard.owner(piece.flat) < 0:
+                continue
+            state = dict(self.optim.state.get(main, {}))
+            if main.dtype != self._params[piece.param].dtype:
+                state[MAIN_KEY] = main  # the fp32 main parameter: no copy of it elsewhere
+            if state:
+                out.append((piece, state))
+        return out
+
+    def _whole_states(self, to: Optional[int] = None) -> Optional[dict[int, dict]]:
+        """Every parameter's whole state (See Note [Piece state]), on every rank or on
+        group rank `to` only. Collective."""
+        mine = [((p.param, p.lo, p.hi, p.flat), s) for p, s in self._my_runs()]
+        shapes = [p.shape for p in self._params]
+        if to is None:
+            everyone: list = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=self._comm_group)
+        else:
+            everyone = [None] * self.world_size if self.rank == to else None
+            dist.gather_object(mine, everyone, dst=dist.get_global_rank(self._comm_group, to),
+                               group=self._comm_group)
+            if self.rank != to:
+                return None
+        runs = [(Piece(*p), s) for rank_runs in everyone for p, s in rank_runs]
+        return whole_states(runs, shapes)
+
+    def _load_whole(self, whole: dict[int, dict]) -> None:
+        inner = self.optim.state_dict()
+        index = {}
+        k = 0
+        for group in self.optim.param_groups:
+            for t in group["params"]:
+                index[id(t)] = k
+                k += 1
+        state = {}
+        for _, piece, main in self._pieces:
+            if piece.param in whole:
+                cut = cut_state(whole[piece.param], piece, self._params[piece.param].shape)
+                saved_main = cut.pop(MAIN_KEY, None)
+                if saved_main is not None and main.dtype != self._params[piece.param].dtype:
+                    main.copy_(saved_main)
+                if cut:
+                    state[index[id(main)]] = cut
+        inner["state"] = state
+        self.optim.load_state_dict(inner)
+
+    def _number(self) -> dict[int, int]:
+        """Reducer index -> torch's state-dict number (order in param_groups)."""
+        number, k = {}, 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) in self._index:  # not a frozen parameter outside the DDP
+                    number[self._index[id(p)]] = k
+                k += 1
+        return number
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole optimizer state on group rank `to`; its state_dict() then
+        returns what optimizer_class's own state_dict() would. Collective."""
+        self.wait_for_params()
+        whole = self._whole_states(to)
+        self._consolidated = None
+        if whole is None:
+            return
+        number = self._number()
+        groups, k = [], 0
+        for group in self.param_groups:
+            g = {key: v for key, v in group.items() if key != "params"}
+            g["params"] = list(range(k, k + len(group["params"])))
+            k += len(group["params"])
+            groups.append(g)
+        self._consolidated = {"state": {number[i]: s for i, s in sorted(whole.items())},
+                              "param_groups": groups}
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's: the consolidated state dict, on the rank consolidate_state_dict sent it
+        to; call that first, on every rank."""
+        consolidated = getattr(self, "_consolidated", None)
+        if consolidated is None:
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer (rank {self.global_rank}): call "
+                f"consolidate_state_dict(to=...) on every rank first; only the rank it names "
+                f"gets the state dict (or save sharded_state_dict() on every rank)")
+        return consolidated
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's own pieces (its range and the tail) and their state: what each rank
+        saves for a sharded checkpoint. load_state_dict takes one back on the same layout,
+        or every rank's list of them on any world size."""
+        self.wait_for_params()
+        runs = self._my_runs()
+        return {"format": SHARD_FORMAT, "world_size": self.world_size, "rank": self.rank,
+                "signature": self._signature,
+                "pieces": [(p.param, p.lo, p.hi, p.flat) for p, _ in runs],
+                "state": [{k: v.clone() if isinstance(v, torch.Tensor) else v
+                           for k, v in s.items()} for _, s in runs],
+                "param_groups": [{k: v for k, v in g.items() if k != "params"}
+                                 for g in self.param_groups]}
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        """A consolidated state dict (a plain optimizer_class's, from any world size), this
+        rank's sharded_state_dict() on the same layout, or the list of every rank's
+        sharded_state_dict() (any world size)."""
+        self.wait_for_params()
+        shapes = [p.shape for p in self._params]
+        if isinstance(state_dict, list):
+            runs = [r for shard in state_dict for r in shard_runs(shard)]
+            groups = state_dict[0]["param_groups"] if state_dict else []
+            whole = whole_states(runs, shapes)
+        elif isinstance(state_dict, dict) and "format" in state_dict:
+            runs = shard_runs(state_dict)
+            if (state_dict["world_size"] != self.world_size
+                    or tuple(map(tuple, state_dict["signature"])) != self._signature):
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer (rank {self.global_rank}): this sharded state "
+                    f"dict was saved by rank {state_dict['rank']} of {state_dict['world_size']} "
+                    f"on another bucket layout; pass the list of every rank's shards instead")
+            groups = state_dict["param_groups"]
+            whole = whole_states(runs, shapes)
+        else:
+            number = self._number()
+            saved = state_dict["state"]
+            groups = state_dict["param_groups"]
+            if len(groups) != len(self.param_groups):
+                raise ValueError(f"loaded state dict has {len(groups)} parameter groups, "
+                                 f"the optimizer {len(self.param_groups)}")
+            whole = {i: saved[n] for i, n in number.items() if n in saved}
+        for group, saved in zip(self.param_groups, groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        self._relayout(whole)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "optim", None) is not None:
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer (rank {dist.get_rank()}): add_param_group after "
+                f"construction is not supported: every parameter of the wrapped module is "
+                f"sharded from the start (give parameter groups to the constructor)")
+        super().add_param_group(param_group)
+
+    # ---- join -------------------------------------------------------------------------
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self._params[0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+
+class _ZeroJoinHook(JoinHook):
+    """A joined rank's shadow of step(): the parameter all-gathers the others run."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer):
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        if self.zero._stepped:
+            self.zero._gather()
+            self.zero.wait_for_params()
+
+
+class _HookState:
+    def __init__(self, zero: ZeroRedundancyOptimizer, reduce_scatter: bool):
+        self.zero = weakref.ref(zero)
+        self.reduce_scatter = reduce_scatter
+        self.world = zero.world_size
+        self.rank = zero.rank
+        self.group = zero._comm_group
+
+
+def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer]):
+    the averaged gradients of this rank's range (and of the tail) land in place."""
+    buf = bucket.buffer()
+    world, rank, group = state.world, state.rank, state.group
+    s = buf.numel() // world
+    futures = []
+    if state.reduce_scatter:
+        if s:
+            futures.append(_reduce_scatter(
+                buf[rank * s:(rank + 1) * s], buf[:world * s], group=group,
+                async_op=True).get_future())
+        if buf.numel() > world * s:
+            futures.append(dist.all_reduce(buf[world * s:], group=group,
+                                           async_op=True).get_future())
+        used = [buf[rank * s:(rank + 1) * s], buf[world * s:]]
+    else:
+        futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
+        used = [buf]
+
+    def average(_):
+        for t in used:
+            t.div_(world)
+        return buf
+
+    done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+    return done.then(average)
+
+
+__all__ = ["ZeroRedundancyOptimizer", "sharding_optimizer"]
