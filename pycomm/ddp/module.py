@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .. import overlap
+from .. import overlap, registry
 from ..config import DDPConfig
-from . import construction, pickling, registry
+from . import construction, pickling
 from .args import check_args, config_from_args, find_tensors, resolve_group
 from .clip import clip_ddp_grad_norm_
 from .compat import TorchDDPAttributes, TorchReducer
@@ -79,7 +79,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         self._graph_split = GraphSplit()
         warn_if_python_reducer()
         self._named_params = construction.trainable_params(module, self._delayed_names)
-        registry.register(self, [p for _, p in self._named_params])
+        registry.register_ddp(self, [p for _, p in self._named_params])
         self.device, self.device_ids, self.output_device = construction.placement(
             module, self._named_params, device_ids, output_device, self.process_group)
         self._delayed_spec = None if delay_all_reduce_named_params is None else (

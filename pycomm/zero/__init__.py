@@ -6,6 +6,6 @@
   state.py      state dicts: consolidated, sharded, re-cut onto another world size
 """
 
-from .optimizer import ELEMENTWISE, ZeroRedundancyOptimizer, sharding_optimizer
+from .optimizer import ELEMENTWISE, ZeroRedundancyOptimizer
 
-__all__ = ["ELEMENTWISE", "ZeroRedundancyOptimizer", "sharding_optimizer"]
+__all__ = ["ELEMENTWISE", "ZeroRedundancyOptimizer"]

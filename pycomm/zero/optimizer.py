@@ -41,8 +41,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
-from .. import _C
-from ..ddp.registry import owner_of
+from .. import _C, registry
 from . import layout as shard_layout
 from .layout import BucketShard, Piece
 from .state import SHARD_FORMAT, cut_state, shard_runs, whole_states
@@ -61,18 +60,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 # plain optimizer loading a consolidated dict keeps it and never reads it).
 MAIN_KEY = "pycomm_main_param"
 _WIDENED = (torch.float16, torch.bfloat16)
-
-# id(param) -> (param, optimizer), both weak (as pycomm/ddp/registry.py's).
-_registry: dict[int, tuple[weakref.ref, weakref.ref]] = {}
-
-
-def sharding_optimizer(param: torch.Tensor) -> Optional[ZeroRedundancyOptimizer]:
-    """The ZeroRedundancyOptimizer that shards `param`, if any (clipping asks)."""
-    refs = _registry.get(id(param))
-    if refs is None or refs[0]() is not param:
-        return None
-    return refs[1]()
-
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """torch.distributed.optim.ZeroRedundancyOptimizer's constructor and API, with flat
@@ -120,9 +107,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._relayout(whole=None)
         if self._ddp is not None:
             self._attach(self._ddp)
-        me = weakref.ref(self)
-        for p in self._params:
-            _registry[id(p)] = (weakref.ref(p), me)
+        registry.register_sharder(self, self._params)
 
     # ---- where the parameters are ------------------------------------------------------
 
@@ -130,11 +115,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """The pycomm DDP whose trainable parameters these are (frozen ones, which never
         get a gradient, may be anyone's), or None."""
         trainable = [p for p in self._all_params if p.requires_grad]
-        owners = {id(owner_of(p)): owner_of(p) for p in trainable}
+        owners = {id(registry.ddp_of(p)): registry.ddp_of(p) for p in trainable}
         if len(owners) == 1 and None in owners.values():
             return None
         if None in owners.values() or len(owners) > 1:
-            first = next(p for p in trainable if owner_of(p) is None) \
+            first = next(p for p in trainable if registry.ddp_of(p) is None) \
                 if None in owners.values() else None
             what = (f"parameter {self._describe(first)} is not one of a "
                     f"pycomm.DistributedDataParallel's" if first is not None
@@ -582,4 +567,4 @@ def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.fu
     return done.then(average)
 
 
-__all__ = ["ZeroRedundancyOptimizer", "sharding_optimizer"]
+__all__ = ["ZeroRedundancyOptimizer"]
