@@ -100,6 +100,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.global_rank = dist.get_global_rank(self._comm_group, self.rank)
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._check_params()
+        self._check_agreement()
         self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
         self._signature = None
         self._stepped = False
@@ -147,6 +148,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"parameter {missing[0]!r} (and {len(missing) - 1} more) is not in the "
                 f"optimizer; on a pycomm DDP it shards every trainable parameter of the module "
                 f"(the all-gather rewrites whole buckets): pass them all")
+
+    def _check_agreement(self) -> None:
+        """Every rank must shard the same parameters the same way: a rank whose groups,
+        shapes or optimizer differ would run other collectives. Collective."""
+        mine = (self._optimizer_class.__name__,
+                [[tuple(p.shape) for p in g["params"]] for g in self.param_groups],
+                shard_layout.signature(self._buckets()))
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._comm_group)
+        what = ("optimizer class", "parameter groups (shapes)", "bucket layout")
+        for rank, other in enumerate(everyone):
+            for name, a, b in zip(what, everyone[0], other):
+                if a != b:
+                    raise ValueError(
+                        f"ZeroRedundancyOptimizer: rank {rank} differs from rank 0 in its "
+                        f"{name}: {_short(b)} against {_short(a)}; every rank must pass "
+                        f"the same parameters, groups and optimizer (the shards are cut alike "
+                        f"on every rank)")
 
     def _buckets(self) -> list[list[int]]:
         if self._ddp is not None:
@@ -252,6 +271,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         running behind the next forward)."""
         self._wait_buckets(list(self._pending))
 
+    def _follow_buckets(self) -> None:
+        """Pending all-gathers done, and the shards re-cut if the reducer re-cut its
+        buckets (its one rebuild after the first step): the state moves to the new pieces.
+        First thing of whatever reads the pieces after a backward. Collective."""
+        self.wait_for_params()
+        if self._ddp is not None and shard_layout.signature(self._buckets()) != self._signature:
+            self._relayout(self._whole_states())
+
     # ---- the step ---------------------------------------------------------------------
 
     def _grad_source(self, index: int) -> Optional[torch.Tensor]:
@@ -271,9 +298,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.wait_for_params()
-        if self._ddp is not None and shard_layout.signature(self._buckets()) != self._signature:
-            self._relayout(self._whole_states())  # the reducer re-cut its buckets
+        self._follow_buckets()
         self._sync_groups()
         sources: dict[int, Optional[torch.Tensor]] = {}
         for _, piece, main in self._pieces:
@@ -322,12 +347,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ---- clipping ----------------------------------------------------------------------
 
+    def covers(self, params: list[torch.Tensor]) -> bool:
+        """Whether `params` are all parameters this optimizer shards (or frozen ones)."""
+        return all(id(p) in self._index or not p.requires_grad for p in params)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, as torch.nn.utils.
         clip_grad_norm_ over the whole model would: the norm from every rank's range (the
-        tail counted once), one all-reduce of the partial, the pieces scaled."""
+        tail counted once), one all-reduce of the partial, the pieces scaled. Inside the
+        DDP's no_sync (local gradients in param.grad, nothing reduced) it clips param.grad
+        as pycomm.clip_grad_norm_ does."""
+        if self._ddp is not None and not self._ddp.require_backward_grad_sync:
+            return _C._clip_grad_norm_(self._params, float(max_norm), float(norm_type),
+                                       bool(error_if_nonfinite))
+        self._follow_buckets()
         norm_type = float(norm_type)
         runs, tail_runs = [], []
         for shard, piece, _ in self._pieces:
@@ -423,7 +458,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on group rank `to`; its state_dict() then
         returns what optimizer_class's own state_dict() would. Collective."""
-        self.wait_for_params()
+        self._follow_buckets()
         whole = self._whole_states(to)
         self._consolidated = None
         if whole is None:
@@ -451,9 +486,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's own pieces (its range and the tail) and their state: what each rank
-        saves for a sharded checkpoint. load_state_dict takes one back on the same layout,
-        or every rank's list of them on any world size."""
-        self.wait_for_params()
+        saves for a sharded checkpoint. load_state_dict takes it back on the same world
+        size, or every rank's list of them on any world size."""
+        self._follow_buckets()
         runs = self._my_runs()
         return {"format": SHARD_FORMAT, "world_size": self.world_size, "rank": self.rank,
                 "signature": self._signature,
@@ -465,8 +500,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: Any) -> None:
         """A consolidated state dict (a plain optimizer_class's, from any world size), this
-        rank's sharded_state_dict() on the same layout, or the list of every rank's
-        sharded_state_dict() (any world size)."""
+        rank's own sharded_state_dict() (same world size; collective when the buckets
+        differ from the saving run's), or the list of every rank's sharded_state_dict()
+        (any world size)."""
         self.wait_for_params()
         shapes = [p.shape for p in self._params]
         if isinstance(state_dict, list):
@@ -475,12 +511,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             whole = whole_states(runs, shapes)
         elif isinstance(state_dict, dict) and "format" in state_dict:
             runs = shard_runs(state_dict)
-            if (state_dict["world_size"] != self.world_size
-                    or tuple(map(tuple, state_dict["signature"])) != self._signature):
+            if (state_dict["world_size"], state_dict["rank"]) != (self.world_size, self.rank):
                 raise ValueError(
-                    f"ZeroRedundancyOptimizer (rank {self.global_rank}): this sharded state "
-                    f"dict was saved by rank {state_dict['rank']} of {state_dict['world_size']} "
-                    f"on another bucket layout; pass the list of every rank's shards instead")
+                    f"ZeroRedundancyOptimizer (rank {self.rank} of {self.world_size}): this "
+                    f"sharded state dict was saved by rank {state_dict['rank']} of "
+                    f"{state_dict['world_size']}; load each rank's own shard, or pass the list "
+                    f"of every rank's shards (any world size)")
+            if tuple(map(tuple, state_dict["signature"])) != self._signature:
+                # saved on other buckets (before the reducer's rebuild, say): the same world
+                # holds every shard, one per rank; collective, on every rank alike
+                everyone: list = [None] * self.world_size
+                dist.all_gather_object(everyone, state_dict, group=self._comm_group)
+                runs = [r for shard in everyone for r in shard_runs(shard)]
             groups = state_dict["param_groups"]
             whole = whole_states(runs, shapes)
         else:
@@ -515,6 +557,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 class _ZeroJoinHook(JoinHook):

@@ -1,0 +1,211 @@
+"""pycomm.ZeroRedundancyOptimizer beyond the step: clipping by the global norm from the
+shards, the state dicts (consolidated, sharded, onto another world size), reading the
+model between steps with the all-gathers still pending, optimizer memory per rank, and
+the errors for bad input. References are pycomm's DDP and torch's DDP with the same
+optimizer unsharded."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pycomm
+from tests.support.ddp_models import build, loss_of, make_input
+from tests.support.multirank import run_ranks
+
+CAP = 5e-4  # MB: the MLP in several buckets
+
+
+def _ddp(base, **options):
+    return pycomm.DistributedDataParallel(copy.deepcopy(base),
+                                          config=pycomm.DDPConfig(bucket_cap_mb=CAP, **options))
+
+
+def _train(ddp, opt, rank, steps, first=0, clip=None):
+    norms = []
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        loss_of(ddp(make_input("mlp", rank, step))).backward()
+        if clip is not None:
+            norms.append(clip())
+        opt.step()
+    return norms
+
+
+def _clipping(rank, world_size):
+    base = build("mlp")
+    ref = TorchDDP(copy.deepcopy(base))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = _train(ref, ref_opt, rank, 8,
+                  clip=lambda: torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01))
+    for how in ("ddp", "pycomm"):
+        ddp = _ddp(base)
+        zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+        clip = (lambda d=ddp: d.clip_grad_norm_(0.01)) if how == "ddp" else (
+            lambda d=ddp: pycomm.clip_grad_norm_(d.parameters(), 0.01))
+        got = _train(ddp, zero, rank, 8, clip=clip)
+        assert all(w > 0.01 for w in want), "the test must clip"
+        torch.testing.assert_close(torch.stack(got), torch.stack(want), rtol=1e-6, atol=0)
+        for p, q in zip(ddp.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_clip_takes_the_global_norm_from_the_shards():
+    """ddp.clip_grad_norm_ and pycomm.clip_grad_norm_ on sharded parameters: torch's norm
+    and parameters to float rounding (the norm's sum is split otherwise, so not bitwise)."""
+    run_ranks(_clipping, 2)
+
+
+def _save(rank, world_size, folder):
+    """Train 6 steps; save the model, the consolidated state dict and every rank's shard;
+    check the consolidated one is what a plain AdamW holds after the same training."""
+    base = build("mlp")
+    ddp = _ddp(base)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                          overlap_with_ddp=True)
+    plain = _ddp(base)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    for d, o in ((ddp, zero), (plain, adamw)):
+        _train(d, o, rank, 6)
+    torch.save(zero.sharded_state_dict(), os.path.join(folder, f"shard{rank}.pt"))
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        zero.state_dict()
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        consolidated = zero.state_dict()
+        fresh = torch.optim.AdamW(copy.deepcopy(base).parameters(), lr=1e-2)
+        fresh.load_state_dict(consolidated)  # a plain torch optimizer loads it
+        want = adamw.state_dict()
+        for index, state in want["state"].items():
+            for key, value in state.items():
+                assert torch.equal(fresh.state_dict()["state"][index][key], value), (index, key)
+        torch.save(consolidated, os.path.join(folder, "consolidated.pt"))
+        torch.save(ddp.module.state_dict(), os.path.join(folder, "model.pt"))
+
+
+def _resume(rank, world_size, folder, saved_world):
+    """Load the model and the optimizer state three ways (consolidated, this rank's shard
+    when the world is unchanged, every rank's shards), train 4 more steps: the three agree
+    bitwise, and with an unsharded AdamW loaded from the consolidated dict (bitwise at 2
+    ranks, to rounding at 3)."""
+    base = build("mlp")
+    base.load_state_dict(torch.load(os.path.join(folder, "model.pt")))
+    consolidated = torch.load(os.path.join(folder, "consolidated.pt"))
+    shards = [torch.load(os.path.join(folder, f"shard{r}.pt")) for r in range(saved_world)]
+    sources = {"consolidated": consolidated, "all shards": shards}
+    if world_size == saved_world:
+        sources["own shard"] = shards[rank]
+    else:
+        zero = pycomm.ZeroRedundancyOptimizer(_ddp(base).parameters(), torch.optim.AdamW,
+                                              lr=1e-2)
+        with pytest.raises(ValueError, match="saved by rank 0 of 2; load each rank's own"):
+            zero.load_state_dict(shards[0])
+    results = {}
+    for name, source in sources.items():
+        ddp = _ddp(base)
+        zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+        zero.load_state_dict(source)
+        _train(ddp, zero, rank, 4, first=6)
+        results[name] = ddp
+    plain = _ddp(base)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    adamw.load_state_dict(consolidated)
+    _train(plain, adamw, rank, 4, first=6)
+    for name, ddp in results.items():
+        for p, q, r in zip(ddp.parameters(), results["consolidated"].parameters(),
+                           plain.parameters()):
+            assert torch.equal(p, q), f"{name} differs from the consolidated load"
+            if world_size == 2:
+                assert torch.equal(p, r), f"{name} differs from an unsharded AdamW"
+            else:
+                torch.testing.assert_close(p, r, rtol=2e-5, atol=2e-6)
+
+
+def test_state_dicts_consolidated_sharded_and_onto_three_ranks(tmp_path):
+    run_ranks(_save, 2, folder=str(tmp_path))
+    run_ranks(_resume, 2, folder=str(tmp_path), saved_world=2)
+    run_ranks(_resume, 3, folder=str(tmp_path), saved_world=2)
+
+
+def _reads(rank, world_size):
+    """overlap_with_ddp=True leaves the all-gathers running after step(); what reads the
+    model waits for them: the module's state_dict(), an evaluation forward."""
+    base = build("mlp")
+    ddp = _ddp(base)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                          overlap_with_ddp=True)
+    plain = _ddp(base)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    x = make_input("mlp", rank, 99)
+    for step in range(3):
+        for d, o in ((ddp, zero), (plain, adamw)):
+            _train(d, o, rank, 1, first=step)
+        assert zero._pending, "the all-gathers should still be pending"
+        if step == 0:
+            state = ddp.module.state_dict()
+            for key, value in plain.module.state_dict().items():
+                assert torch.equal(state[key], value), key
+        else:
+            with torch.no_grad():
+                assert torch.equal(ddp.module(x), plain.module(x))
+        assert not zero._pending
+
+
+def test_reading_the_model_waits_for_pending_all_gathers():
+    run_ranks(_reads, 2)
+
+
+def _memory(rank, world_size):
+    """AdamW's state per rank: 1/world of the unsharded optimizer's (+ the tail, < world
+    elements per bucket and state)."""
+    base = build("wide")
+    ddp = _ddp(base)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    _train(ddp, zero, rank, 1)
+    mine = sum(t.numel() * t.element_size() for s in zero.optim.state.values()
+               for t in s.values() if t.dim() > 0)
+    whole = 2 * sum(p.numel() * p.element_size() for p in base.parameters())
+    buckets = len(ddp.reducer.bucket_indices())
+    assert mine <= whole / world_size + 2 * 4 * world_size * buckets, (mine, whole)
+    assert mine >= whole / world_size - 2 * 4 * world_size * buckets, (mine, whole)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_optimizer_state_is_one_world_th(world):
+    run_ranks(_memory, world)
+
+
+def _errors(rank, world_size):
+    base = build("mlp")
+    ddp = _ddp(base)
+    stray = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[6\].*not one of"):
+        pycomm.ZeroRedundancyOptimizer(list(ddp.parameters()) + [stray], torch.optim.AdamW)
+    with pytest.raises(ValueError, match=r"'net.4.bias'.*not in the optimizer"):
+        pycomm.ZeroRedundancyOptimizer(list(ddp.parameters())[:-1], torch.optim.AdamW)
+    with pytest.raises(ValueError, match="LBFGS is not an elementwise optimizer"):
+        pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.LBFGS)
+    # groups that differ across ranks: every rank raises, naming rank 1 (nothing hangs)
+    params = list(ddp.parameters())
+    groups = [{"params": params}] if rank == 0 else [{"params": params[:2]},
+                                                     {"params": params[2:]}]
+    with pytest.raises(ValueError, match="rank 1 differs from rank 0 in its parameter groups"):
+        pycomm.ZeroRedundancyOptimizer(groups, torch.optim.AdamW)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    with pytest.raises(RuntimeError, match="add_param_group after construction"):
+        zero.add_param_group({"params": [stray]})
+    hooked = _ddp(base)
+    hooked.register_comm_hook(None, lambda _, bucket: None)
+    with pytest.raises(RuntimeError, match="already has a communication hook"):
+        pycomm.ZeroRedundancyOptimizer(hooked.parameters(), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="not a sharded state dict"):
+        zero.load_state_dict([{"state": {}}])
+    _train(ddp, zero, rank, 2)  # the refusals left it working
+
+
+def test_bad_input_is_named():
+    run_ranks(_errors, 2)
