@@ -38,7 +38,7 @@ from ..clip import clip_grad_norm_ as pycomm_clip_grad_norm_
 from ..config import DDPConfig
 from ..ddp import DistributedDataParallel as PycommDDP
 from ..overlap import write_chrome_trace
-from . import bucket_sweep, common
+from . import bucket_sweep, common, sharded
 from .collectives import UsageError
 from .collectives_run import _progress as _status_line
 from .models import MODELS, build_model, per_rank
@@ -66,6 +66,11 @@ IMPLS = {
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),
+    # Sharded data parallelism (sharded.py): pycomm's ZeroRedundancyOptimizer on its DDP,
+    # torch's on torch's DDP, FSDP2. The default set with --optimizer adamw.
+    "pycomm_zero": sharded.pycomm_zero,
+    "torch_zero": sharded.torch_zero,
+    "fsdp2": sharded.fsdp2,
 }
 DEFAULT_IMPLS = ("torch", "pycomm")
 COMPILED = "+compile"  # suffix of an implementation run under torch.compile(ddp)
@@ -87,6 +92,7 @@ class Config:
     clip: float = 0.0  # max_norm of each implementation's gradient clipping; 0: none
     trace: str = ""  # folder for each pycomm variant's Chrome trace of its last timed steps
     progress: bool = False  # rank 0 says on stderr which model, variant and rep runs
+    optimizer: str = "sgd"  # sharded.OPTIMIZERS: every implementation steps this one
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -111,6 +117,9 @@ class Result:
     no_sync_cpu_ms: float   # the same inside no_sync(): cpu_ms - this = communication's CPU
     overlap: float          # pycomm: median of the least overlapped rank's step; torch: nan
     wire_mb: float = float("nan")  # per synchronized step, MB host 0 sent on its link (--hosts)
+    state_mb: float = float("nan")  # optimizer state held by a rank (the largest)
+    mem_mb: float = float("nan")  # resident memory the implementation added (build + warm-up)
+    gather_hidden: float = float("nan")  # pycomm_zero: share of its all-gathers not waited for
 
 
 def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.Module]:
@@ -171,7 +180,7 @@ def _timed(model, ddp, opt, x, steps: int, no_sync: bool,
     for _ in range(steps):
         dist.barrier()
         if no_sync:
-            with ddp.no_sync():
+            with sharded.no_sync(ddp):
                 out.append(_step(model, opt, x, clip))
         else:
             out.append(_step(model, opt, x, clip))
@@ -201,6 +210,21 @@ def _overlaps(ddp: nn.Module, steps: int) -> list[float]:
     return t.tolist()
 
 
+def _resident_bytes() -> float:
+    """This process's resident memory now (Linux /proc; nan elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return float(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return float("nan")
+
+
+def _rank_min(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=common.device_of(dist.get_backend()))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return float(t.item())
+
+
 def _rank_max(samples: list[tuple[float, ...]]) -> list[tuple[float, ...]]:
     t = torch.tensor(samples, dtype=torch.float64, device=common.device_of(dist.get_backend()))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -225,12 +249,15 @@ def run_model(cfg: Config, name: str) -> list[Result]:
     runs = {}
     for variant in variants:
         _say(cfg, f"{name}: building and warming up {variant}")
+        resident = _resident_bytes()
         model, ddp = _build(variant, module, cfg)
-        opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+        opt = sharded.optimizer(variant.removesuffix(COMPILED), ddp, cfg.optimizer)
         for _ in range(cfg.warmup):
             _step(model, opt, x)
         _timed(model, ddp, opt, x, 1, no_sync=True)  # a compiled no_sync step may recompile
-        runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": [], "wire": []})
+        added = [_resident_bytes() - resident, sharded.state_bytes(opt)]
+        runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": [], "wire": [],
+                                           "hidden": [], "memory": _rank_max([added])[0]})
     for rep in range(cfg.reps):  # interleaved, alternating who goes first
         _say(cfg, f"{name}: rep {rep + 1} of {cfg.reps} ({', '.join(variants)})")
         order = list(variants) if rep % 2 == 0 else list(reversed(variants))
@@ -243,6 +270,7 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                 if not no_sync:
                     samples["wire"].append((_wire_bytes() - sent) / cfg.steps)
                     samples["overlap"] += _overlaps(ddp, cfg.steps)
+                    samples["hidden"].append(_rank_min(sharded.gather_hidden(opt, cfg.steps)))
     if cfg.trace:
         _write_traces(cfg, name, runs)
     params = sum(p.numel() for p in module.parameters())
@@ -252,20 +280,22 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                           for i in range(3))
         quiet, _, quiet_cpu = (statistics.median(s[i] for s in samples[True]) * 1e3
                                for i in range(3))
+        added, state = samples["memory"]
         results.append(Result(name, params, per_rank(name, x), variant, step, bwd, quiet,
                               step - quiet, cpu, quiet_cpu, _median(samples["overlap"]),
-                              _median(samples["wire"]) / 1e6))
+                              _median(samples["wire"]) / 1e6, state / 1e6, added / 1e6,
+                              _median(samples["hidden"])))
     return results
 
 
 def _write_traces(cfg: Config, name: str, runs: dict) -> None:
     """Each pycomm variant's last timed synchronized steps, every rank's, as one Chrome trace
     (rank 0 writes cfg.trace/ddp_<model>_<variant>.json)."""
-    for variant, (_, ddp, _, _) in runs.items():
+    for variant, (_, ddp, opt, _) in runs.items():
         if isinstance(ddp, PycommDDP):
             path = os.path.join(cfg.trace, f"ddp_{name}_{variant.replace('+', '_')}.json")
-            write_chrome_trace(path, ddp.step_reports(cfg.steps), all_ranks=True,
-                               group=ddp.process_group)
+            write_chrome_trace(path, sharded.with_gathers(ddp.step_reports(cfg.steps), opt),
+                               all_ranks=True, group=ddp.process_group)
 
 
 def _median(values: list[float]) -> float:
@@ -282,6 +312,9 @@ def format_results(cfg: Config, results: list[Result], allocator: str = "") -> s
     if cfg.clip:
         extra["clip"] = f"max_norm {cfg.clip:g} (each its own clip_grad_norm_)"
     wire = any(r.wire_mb == r.wire_mb for r in results)
+    memory = cfg.optimizer != "sgd" or any(r.impl in sharded.SHARDED for r in results)
+    if cfg.optimizer != "sgd":
+        extra["optimizer"] = cfg.optimizer
     where = {"hosts": cfg.hosts} if cfg.hosts else {}
     lines = [common.header("ddp step time (ms), medians of per-step max over ranks",
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
@@ -289,16 +322,23 @@ def format_results(cfg: Config, results: list[Result], allocator: str = "") -> s
                            **where, **({"allocator": allocator} if allocator else {})),
              f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>14} {'step':>7} "
              f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7} "
-             f"{'overlap':>7}" + (f" {'wire_MB':>7}" if wire else "")]
+             f"{'overlap':>7}" + (f" {'wire_MB':>7}" if wire else "") +
+             (f" {'state_MB':>8} {'mem_MB':>7} {'ag_hid':>6}" if memory else "")]
     for r in results:
         lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>14} "
                      f"{r.step_ms:>7.1f} {r.backward_ms:>8.1f} {r.no_sync_step_ms:>7.1f} "
                      f"{r.exposed_ms:>7.1f} {r.cpu_ms:>7.1f} {r.no_sync_cpu_ms:>7.1f} "
-                     f"{r.overlap:>7.2f}" + (f" {r.wire_mb:>7.1f}" if wire else ""))
+                     f"{r.overlap:>7.2f}" + (f" {r.wire_mb:>7.1f}" if wire else "") +
+                     (f" {r.state_mb:>8.1f} {r.mem_mb:>7.1f} {r.gather_hidden:>6.2f}"
+                      if memory else ""))
     lines.append("# cpu: process CPU ms per step (all threads); cpu_ns: the same in no_sync; "
                  "overlap: pycomm's, median step of the least overlapped rank" +
                  ("; wire_MB: what host 0 sent on its link per synchronized step" if wire
-                  else ""))
+                  else "") +
+                 ("; state_MB: optimizer state per rank (the largest); mem_MB: resident "
+                  "memory the implementation added while built and warmed up (the largest "
+                  "rank); ag_hid: share of pycomm_zero's parameter all-gather time the "
+                  "forward did not wait for (least of the ranks)" if memory else ""))
     for name in dict.fromkeys(r.model for r in results):
         rows = {r.impl: r for r in results if r.model == name}
         lines += _comparisons(name, rows)
@@ -320,6 +360,13 @@ def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
                      f"{p.backward_ms / t.backward_ms:.3f}, exposed {exposed:.3f}, "
                      f"communication CPU {p.cpu_ms - p.no_sync_cpu_ms:.1f} ms vs "
                      f"{t.cpu_ms - t.no_sync_cpu_ms:.1f} ms")
+    zero = rows.get("pycomm_zero")
+    if zero is not None:
+        others = [r for impl, r in rows.items() if impl != "pycomm_zero"]
+        lines.append(f"# {name}: pycomm_zero step against " + ", ".join(
+            f"{r.impl} {zero.step_ms / r.step_ms:.3f}" for r in others) +
+            (f"; optimizer state {zero.state_mb / rows['pycomm'].state_mb:.3f} of pycomm's"
+             if "pycomm" in rows and rows["pycomm"].state_mb > 0 else ""))
     eager, compiled = rows.get("pycomm"), rows.get("pycomm" + COMPILED)
     if eager is not None and compiled is not None:
         lines.append(f"# {name}: pycomm overlap compiled {compiled.overlap:.2f} vs eager "
@@ -366,8 +413,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: unshaped)")
     p.add_argument("--backend", default=None, help="default: nccl with GPUs, else gloo")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
-    p.add_argument("--impls", default=",".join(DEFAULT_IMPLS),
-                   help=f"comma list of {tuple(IMPLS)}, timed side by side")
+    p.add_argument("--impls", default=None,
+                   help=f"comma list of {tuple(IMPLS)}, timed side by side (default "
+                        f"{','.join(DEFAULT_IMPLS)}; with --optimizer adamw "
+                        f"{','.join(sharded.ADAMW_IMPLS)})")
+    p.add_argument("--optimizer", default=Config.optimizer, choices=tuple(sharded.OPTIMIZERS),
+                   help="what every implementation steps (default sgd: the step is "
+                        "communication and backward; adamw adds the optimizer's memory "
+                        "traffic, which sharding divides)")
     p.add_argument("--bucket-cap-mb", type=float, default=Config.bucket_cap_mb)
     p.add_argument("--clip", type=float, default=Config.clip, metavar="MAX_NORM",
                    help="clip gradients every step to this norm, each implementation with "
@@ -403,7 +456,8 @@ def configure(ns: argparse.Namespace) -> Config:
     """Every check of the command line, before any rank starts (a UsageError names the
     flag)."""
     models = _names("--models", ns.models, MODELS)
-    impls = _names("--impls", ns.impls, tuple(IMPLS))
+    default = sharded.ADAMW_IMPLS if ns.optimizer == "adamw" else DEFAULT_IMPLS
+    impls = _names("--impls", ns.impls or ",".join(default), tuple(IMPLS))
     for flag, value, low in (("--nproc", ns.nproc, 1), ("--reps", ns.reps, 1),
                              ("--steps", ns.steps, 1), ("--warmup", ns.warmup, 0),
                              ("--samples", ns.samples, 1), ("--threads", ns.threads, 0),
@@ -423,7 +477,7 @@ def configure(ns: argparse.Namespace) -> Config:
         hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
     return Config(models, impls, ns.bucket_cap_mb, ns.warmup, ns.reps, ns.steps, ns.threads,
                   ns.compile, ns.compile_backend, hosts, ns.samples, ns.clip, ns.trace,
-                  progress=True)
+                  progress=True, optimizer=ns.optimizer)
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -7,6 +7,10 @@ launch was held back, then the collective from launch to done). Timestamps are t
 reducer's monotonic clock in microseconds from the earliest backward start in the file, so
 ranks on one host line up exactly; ranks on different hosts do not share that clock (pass
 `align="step"` to line each rank's steps up at their backward start instead).
+A timeline that carries pycomm.ZeroRedundancyOptimizer's parameter all-gathers (the
+optional keys "param_gathers" and "param_waits", added by pycomm.zero.gathers.attach) also
+shows each bucket's all-gather on its track, launched after the previous step, and a
+"forward waits" track with what the forward waited for.
 Open the file in https://ui.perfetto.dev or chrome://tracing.
 """
 
@@ -20,6 +24,7 @@ from typing import Any, Optional
 from .report import StepReport, check_timeline, last_ready_ns, raw_timeline
 
 _BACKWARD_TID = 0  # bucket k's track is tid k + 1
+_WAITS_TID = 1 << 20  # the forward's waits for parameter all-gathers, below the buckets
 
 
 def _meta(pid: int, tid: Optional[int], name: str, value: Any) -> dict:
@@ -55,6 +60,12 @@ def _step_events(raw: Mapping[str, Any], origin_ns: int) -> list[dict]:
                                  **args))
         events.append(_slice(pid, tid, f"all_reduce {k}", b["launch_ns"], b["done_ns"],
                              origin_ns, **args))
+    for g in raw.get("param_gathers", ()):
+        events.append(_slice(pid, g["bucket"] + 1, f"all_gather {g['bucket']}",
+                             g["launch_ns"], g["done_ns"], origin_ns, step=step))
+    for w in raw.get("param_waits", ()):
+        events.append(_slice(pid, _WAITS_TID, f"wait params {w['bucket']}", w["start_ns"],
+                             w["end_ns"], origin_ns, step=step))
     return events
 
 
@@ -68,6 +79,9 @@ def _track_names(timelines: Sequence[Mapping[str, Any]]) -> list[dict]:
                        _meta(pid, None, "process_sort_index", pid),
                        _meta(pid, _BACKWARD_TID, "thread_name", "backward"),
                        _meta(pid, _BACKWARD_TID, "thread_sort_index", 0)]
+            if raw.get("param_waits"):
+                events += [_meta(pid, _WAITS_TID, "thread_name", "forward waits"),
+                           _meta(pid, _WAITS_TID, "thread_sort_index", _WAITS_TID)]
         for b in raw["buckets"]:
             if (pid, b["index"]) not in seen:
                 seen.add((pid, b["index"]))

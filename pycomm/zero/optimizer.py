@@ -31,6 +31,7 @@ the parameters.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
@@ -43,6 +44,7 @@ from torch.optim import Optimizer
 
 from .. import _C, registry
 from . import layout as shard_layout
+from .gathers import GatherLog
 from .layout import BucketShard, Piece
 from .state import SHARD_FORMAT, cut_state, shard_runs, whole_states
 
@@ -102,6 +104,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._check_params()
         self._check_agreement()
         self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
+        self.gathers = GatherLog()
         self._signature = None
         self._stepped = False
         self.optim: Optional[Optimizer] = None
@@ -264,7 +267,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for b in buckets:
             work = self._pending.pop(b, None)
             if work is not None:
+                start = time.perf_counter_ns()
                 work.wait()
+                self.gathers.waited(b, start)
+
+    def gather_report(self, steps: int = 1) -> dict[str, float]:
+        """The parameter all-gathers of the last `steps` steps: their span (first launch to
+        last completion, median ms), the time the forward (or anything reading the
+        parameters) waited for them, and the share hidden (1 - waited / span)."""
+        return self.gathers.report(steps)
 
     def wait_for_params(self) -> None:
         """Wait for every pending parameter all-gather (overlap_with_ddp=True leaves them
@@ -323,14 +334,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _gather(self) -> None:
         """All-gather every bucket's parameters, last bucket first."""
         world, rank = self.world_size, self.rank
+        self.gathers.begin_step()
         for shard in reversed(self._shards):
             s = shard.shard
             if world == 1 or s == 0:
                 continue
             flat = self._flat[shard.index]
             work = _all_gather(flat[:world * s], flat[rank * s:(rank + 1) * s],
-                                               group=self._comm_group, async_op=True)
+                               group=self._comm_group, async_op=True)
             self._pending[shard.index] = work
+            self.gathers.launched(shard.index, work)
         if not (self.overlap_with_ddp and self._ddp is not None):
             self.wait_for_params()
 

@@ -120,6 +120,30 @@ def test_trace_writes_each_pycomm_variants_last_steps(tmp_path):
                         "# progress: mlp: rep 1 of 1 (torch, pycomm, pycomm_bucketed)"], progress
 
 
+def test_adamw_compares_the_sharded_implementations(tmp_path):
+    # --optimizer adamw: pycomm's DDP, its ZeroRedundancyOptimizer, torch's and FSDP2 side
+    # by side, with optimizer state per rank (the sharded ones hold half at 2 ranks), and
+    # the trace of pycomm_zero shows its all-gathers and what the forward waited for.
+    out = subprocess.run(
+        [sys.executable, "-m", "pycomm.bench", "ddp", "--models", "mlp", "--optimizer",
+         "adamw", "--reps", "1", "--steps", "2", "--warmup", "1", "--samples", "4",
+         "--json", str(tmp_path / "r.json"), "--trace", str(tmp_path)],
+        capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
+    assert list(rows) == ["pycomm", "pycomm_zero", "torch_zero", "fsdp2"], list(rows)
+    whole = rows["pycomm"]["state_mb"]
+    assert whole > 200, whole  # AdamW: two fp32 tensors per parameter, 25.2M parameters
+    for impl in ("pycomm_zero", "torch_zero", "fsdp2"):
+        assert abs(rows[impl]["state_mb"] / whole - 0.5) < 0.01, (impl, rows[impl])
+    assert 0.0 <= rows["pycomm_zero"]["gather_hidden"] <= 1.0, rows["pycomm_zero"]
+    assert "# mlp: pycomm_zero step against pycomm " in out.stdout, out.stdout
+    events = json.loads((tmp_path / "ddp_mlp_pycomm_zero.json").read_text())["traceEvents"]
+    gathers = {(e["pid"], e["name"]) for e in events if e["name"].startswith("all_gather")}
+    assert gathers == {(pid, f"all_gather {k}") for pid in (0, 1) for k in range(3)}, gathers
+    assert any(e["name"].startswith("wait params") for e in events)
+
+
 @pytest.mark.parametrize("args, says", [
     (["--models", "mlp,foo"], "--models: unknown 'foo'; choose from mlp, transformer"),
     (["--impls", "torch,bar"], "--impls: unknown 'bar'; choose from torch, pycomm"),

@@ -1,0 +1,105 @@
+"""The optimizers of `pycomm-bench ddp`, and its sharded implementations: pycomm's
+ZeroRedundancyOptimizer on pycomm's DDP ("pycomm_zero"), torch's ZeroRedundancyOptimizer
+on torch's DDP ("torch_zero") and torch's FSDP2 ("fsdp2": fully_shard on every top-level
+block and the root, reshard_after_forward=False, the ZeRO-2 shape that keeps parameters
+between forward and backward). What differs between them, for the step loop in ddp.py:
+how each is built, how it accumulates without communicating (no_sync), and how much
+optimizer state a rank holds."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from ..config import DDPConfig
+from ..ddp import DistributedDataParallel as PycommDDP
+from ..overlap import StepReport
+from ..zero import ZeroRedundancyOptimizer
+from ..zero.gathers import attach
+
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-6}), "adamw": (torch.optim.AdamW, {"lr": 1e-4})}
+SHARDED = ("pycomm_zero", "torch_zero", "fsdp2")
+ADAMW_IMPLS = ("pycomm", "pycomm_zero", "torch_zero", "fsdp2")
+
+
+def fsdp2(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
+    """torch's FSDP2 over the bench model: each block of its body, then the root."""
+    del bucket_cap_mb  # FSDP2 communicates per fully_shard unit, not per bucket
+    from torch.distributed.fsdp import fully_shard
+
+    body = next(iter(module.children()))
+    blocks = [m for m in body.modules() if m is not body and any(
+        True for _ in m.parameters(recurse=False))]
+    for block in blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(module, reshard_after_forward=False)
+    return module
+
+
+def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
+    """The DDP of "pycomm_zero", with gradient_as_bucket_view as docs/zero.md advises (the
+    optimizer reads the bucket; a copy into param.grad is a pass over every gradient for
+    nothing); its optimizer is made by `optimizer`."""
+    return PycommDDP(module, config=DDPConfig(gradient_as_bucket_view=True, **kwargs))
+
+
+def optimizer(impl: str, model: nn.Module, name: str) -> torch.optim.Optimizer:
+    cls, options = OPTIMIZERS[name]
+    if impl == "pycomm_zero":
+        return ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **options)
+    if impl == "torch_zero":
+        from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+        return TorchZero(model.parameters(), cls, **options)
+    return cls(model.parameters(), **options)
+
+
+def torch_zero(module: nn.Module, **kwargs: Any) -> TorchDDP:
+    return TorchDDP(module, **kwargs)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Accumulate without communicating: DDP's no_sync, FSDP2's gradient sync switch."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with model.no_sync():
+            yield
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank holds (tensors of any shape; DTensors' local
+    shards)."""
+    inner = getattr(opt, "optim", opt)  # the sharded optimizers wrap a local one
+    total = 0
+    for state in inner.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                local = value.to_local() if hasattr(value, "to_local") else value
+                total += local.numel() * local.element_size()
+    return total
+
+
+def gather_hidden(opt: torch.optim.Optimizer, steps: int) -> float:
+    """pycomm's sharded optimizer: the share of its parameter all-gathers' time the
+    forward did not wait for, over the last `steps` steps; nan for the others."""
+    if not isinstance(opt, ZeroRedundancyOptimizer):
+        return float("nan")
+    return opt.gather_report(steps)["hidden"]
+
+
+def with_gathers(reports: list[StepReport], opt: torch.optim.Optimizer) -> list:
+    """The steps to trace: with pycomm's sharded optimizer, its parameter all-gathers and
+    the forward's waits for them drawn too."""
+    if not isinstance(opt, ZeroRedundancyOptimizer):
+        return reports
+    return attach([r.timeline for r in reports], opt.gathers)
