@@ -5,10 +5,12 @@ Note [Sharding on the reducer]
 On the parameters of a pycomm.DistributedDataParallel it changes what the DDP's reducer
 does with each bucket (a communication hook, registered at construction):
 - backward: a bucket's gradients are reduce-scattered the moment the bucket is complete
-  (on the DDP's gradient group: the shared-memory group on one host, the hierarchy across
-  hosts), so each rank receives the averaged gradients of its range only; the tail is
-  all-reduced. On a plain Gloo group, whose reduce-scatter is one all-reduce per rank, the
-  bucket is all-reduced instead (the same bytes as DDP) and the rank reads its range.
+  on the DDP's gradient group, the shared-memory group on one host, so each rank receives
+  the averaged gradients of its range only; the tail is all-reduced. On a group whose
+  reduce-scatter is Gloo's (one all-reduce per rank: a plain Gloo group, and the hierarchy
+  across hosts, which hands reduce-scatters to its flat Gloo part), the bucket is
+  all-reduced instead (the same bytes as DDP; hierarchically across hosts) and the rank
+  reads its range.
 - step: the wrapped optimizer steps this rank's pieces: views of the parameters (fp32,
   fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with
   gradients read from the bucket where the reduce-scatter left them (widened to fp32 for a
@@ -42,7 +44,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.optim import Optimizer
 
-from .. import _C, registry
+from .. import _C, registry, shm
 from . import layout as shard_layout
 from .gathers import GatherLog
 from .layout import BucketShard, Piece
@@ -231,8 +233,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "
                                "communication hook registered")
-        reduce_scatter = dist.get_backend(self._comm_group) == "pycomm"
-        ddp.register_comm_hook(_HookState(self, reduce_scatter), _reduce_scatter_hook)
+        # shared memory on one host; across hosts the hierarchy's reduce-scatter is flat
+        # Gloo's (an all-reduce per rank), its all-reduce the hierarchical one
+        reduce_scatter = (dist.get_backend(self._comm_group) == "pycomm"
+                          and shm.hierarchy(self._comm_group) is None)
+        self._hook_state = _HookState(self, reduce_scatter)
+        ddp.register_comm_hook(self._hook_state, _reduce_scatter_hook)
         self._hook_handles = []
         by_module: dict[nn.Module, set[int]] = {}
         bucket_of = {}
