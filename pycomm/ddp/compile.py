@@ -86,6 +86,26 @@ class SplitHint:
         return getattr(self._ddp, name)
 
 
+def _no_callback() -> None:
+    return None
+
+
+# dynamo's frame callback now (None: nothing compiles the frames being called), a C
+# function; a torch without it reports none.
+eval_frame_callback: Callable[[], Any] = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback",
+    _no_callback)
+
+
+def module_compiled(module: nn.Module) -> bool:
+    """Whether the wrapped module itself was compiled (torch.compile(module), or
+    module.compile()): its call runs a compiled graph even when the DDP's does not."""
+    if getattr(module, "_compiled_call_impl", None) is not None:
+        return True
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
+
+
 def _call_module(module: torch.nn.Module, inputs: tuple, kwargs: dict) -> Any:
     """The frame dynamo compiles under torch.compile(ddp): the module's call, inlined."""
     return module(*inputs, **kwargs)

@@ -26,7 +26,9 @@ from .compat import TorchDDPAttributes, TorchReducer
 from .compile import (
     GraphSplit,
     call_module,
+    eval_frame_callback,
     mark_skipped_frames,
+    module_compiled,
     skipped_frame,
     warn_if_python_reducer,
 )
@@ -133,13 +135,20 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     # whose state (no_sync, the step) would become guards.
     @skipped_frame
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        inputs, kwargs = self._pre_forward(inputs, kwargs)
+        # Whether dynamo compiles what this frame calls (torch.compile(ddp)): read here,
+        # where its frame callback is still set, by a C function (no frame of its own).
+        compiling = eval_frame_callback() is not None
+        inputs, kwargs = self._pre_forward(inputs, kwargs, compiling)
         output = call_module(self, self._graph_split, inputs, kwargs)
         return self._post_forward(output)
 
     @torch._disable_dynamo
-    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    def _pre_forward(self, inputs: tuple, kwargs: dict,
+                     compiling: bool = False) -> tuple[tuple, dict]:
         mark_skipped_frames()
+        sharder = registry.sharder_of(self._named_params[0][1])
+        if sharder is not None:  # a ZeroRedundancyOptimizer's pending parameter all-gathers
+            sharder.before_module_call(compiling or module_compiled(self.module))
         sync = self._sync
         sync.notify_join(self, self._join_divide_by_initial_world_size)
         if torch.is_grad_enabled():

@@ -252,12 +252,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 by_module[module] = own
         weak = weakref.ref(self)
 
+        # Traced by dynamo when the module is compiled: is_compiling() makes them nothing
+        # there (no graph break), and the DDP's eager forward waits for every bucket
+        # before a compiled call instead (before_module_call).
         def wait_module(module, _args):
+            if torch.compiler.is_compiling():
+                return
             zero = weak()
             if zero is not None and zero._pending:
                 zero._wait_buckets(zero._module_buckets.get(module, ()))
 
         def wait_all(*_args):
+            if torch.compiler.is_compiling():
+                return
             zero = weak()
             if zero is not None and zero._pending:
                 zero.wait_for_params()
@@ -268,6 +275,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # what reads the parameters other than a module's forward
         self._hook_handles.append(ddp.module.register_forward_hook(wait_all))
         self._hook_handles.append(ddp.module.register_state_dict_pre_hook(wait_all))
+
+    def before_module_call(self, compiled: bool) -> None:
+        """The DDP's forward, before it calls its module: a compiled module's graph has
+        no pre-hooks to wait in, so every pending all-gather is waited for here (the
+        parameter all-gathers then overlap only the DDP's own pre-forward work)."""
+        if compiled and self._pending:
+            self.wait_for_params()
 
     def _wait_buckets(self, buckets) -> None:
         for b in buckets:
