@@ -168,6 +168,9 @@ void bind_reducer(py::module& m) {
           },
           py::arg("state"), py::arg("hook"))
       .def("has_comm_hook", &Reducer::has_python_comm_hook)
+      .def("set_release_gradients", &Reducer::set_release_gradients, py::arg("release"),
+           "See Note [Released gradients] in csrc/reducer/launch.cpp")
+      .def("unused_parameters", &Reducer::unused_parameters)
       .def(
           "add_pre_launch",
           [](Reducer& r, py::function fn) {

@@ -104,6 +104,7 @@ void Reducer::wait_bucket(Bucket& bucket) {
 void Reducer::finalize_bucket(Bucket& bucket) {
   if (bucket.skipped) return;  // torch leaves a skipped bucket's grads untouched
   if (bucket.in_place) return;  // the grads hold the result (See Note [Gradients reduced in place])
+  if (release_grads_) return;  // the hook took the result (See Note [Released gradients])
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const size_t index = bucket.params[slot];
     if (usage_.globally_unused(index)) continue;
@@ -124,6 +125,16 @@ void Reducer::finalize_bucket(Bucket& bucket) {
       grad.copy_(view);  // (See Note [Streaming copies] in stream_copy.cpp)
     }
   }
+}
+
+std::vector<size_t> Reducer::unused_parameters() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<size_t> out;
+  if (step_ == 0) return out;  // no usage summed yet
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (usage_.globally_unused(i)) out.push_back(i);
+  }
+  return out;
 }
 
 void Reducer::fail_unready() {

@@ -93,11 +93,32 @@ void Reducer::mark_ready(size_t index, bool used) {
 // Mirrors torch's reducer numerics exactly (mark_variable_ready_dense): averaging is
 // folded into the copy (mul_out by 1/world) unless a hook averages; a grad that already
 // is the bucket view is divided in place.
+// Note [Released gradients]
+// With set_release_gradients(true) (pycomm.ZeroRedundancyOptimizer, which reads each
+// bucket's reduced shard out of it in its communication hook and then frees the bucket's
+// storage), gradient memory follows the step instead of staying whole: a bucket whose
+// storage was freed gets it back (the same storage, resized, so its views stay valid) when
+// the first gradient of a step is copied into it; a parameter's gradient is dropped once
+// it is copied into its bucket (param.grad is None again); finalize leaves param.grad
+// alone. At any moment a rank holds the gradients not yet copied, the buckets filling or
+// in flight, and its shards. Under no_sync nothing is copied, so param.grad accumulates as
+// usual; batched_grad_copy keeps param.grad until the bucket's one copy (it is not
+// dropped there).
+static void ensure_storage(const at::Tensor& buffer) {
+  const auto need = static_cast<size_t>((buffer.storage_offset() + buffer.numel()) *
+                                        static_cast<int64_t>(buffer.element_size()));
+  if (buffer.storage().nbytes() >= need) return;
+  at::Tensor bytes = at::empty({0}, buffer.options().dtype(at::kByte));
+  bytes.set_(buffer.storage());
+  bytes.resize_({static_cast<int64_t>(need)});  // grows the shared storage in place
+}
+
 void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   const size_t index = bucket.params[slot];
   at::Tensor& view = bucket.views[slot];
   at::Tensor& grad = params_[index].mutable_grad();
   const bool divide = divides_in_copy();
+  if (release_grads_) ensure_storage(bucket.buffer);
   if (main_grads_.take(index)) {  // the view holds the local sum (Note [main_grad accumulation])
     if (divide) view.mul_(scale_);
     return;
@@ -136,7 +157,11 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   } else if (!streams(grad) || !stream_copy(view, grad, scale_value_)) {
     at::mul_out(view, grad, scale_);  // See Note [Streaming copies] in stream_copy.cpp
   }
-  if (options_.gradient_as_bucket_view) grad = view;
+  if (release_grads_) {
+    grad = at::Tensor();  // See Note [Released gradients]
+  } else if (options_.gradient_as_bucket_view) {
+    grad = view;
+  }
 }
 
 // Note [Bucket order]

@@ -131,6 +131,12 @@ class Reducer {
   int64_t step_label_elements() const {
     return layout_.device().is_cpu() ? hook_->step_label_elements() : 0;
   }
+  // See Note [Released gradients] in launch.cpp; set by a sharding optimizer.
+  void set_release_gradients(bool release) { release_grads_ = release; }
+  // Reducer indices of the parameters the last synchronized step left unreduced because
+  // no rank used them (find_unused_parameters, static_graph): their param.grad stays as
+  // it was, as torch's DDP leaves it.
+  std::vector<size_t> unused_parameters() const;
   void add_pre_launch(BucketCallback callback);
   void add_post_done(BucketCallback callback, bool reads_buffer = true);
   void set_launch_gate(LaunchGate gate);
@@ -211,6 +217,7 @@ class Reducer {
   // Extension points.
   std::unique_ptr<CommHook> hook_;
   bool python_hook_ = false;
+  bool release_grads_ = false;  // See Note [Released gradients]
   std::vector<BucketCallback> pre_launch_;
   std::vector<BucketCallback> post_done_;
   bool post_done_reads_buffer_ = false;
