@@ -41,10 +41,9 @@ def fsdp2(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
 
 
 def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
-    """The DDP of "pycomm_zero", with gradient_as_bucket_view as docs/zero.md advises (the
-    optimizer reads the bucket; a copy into param.grad is a pass over every gradient for
-    nothing); its optimizer is made by `optimizer`."""
-    return PycommDDP(module, config=DDPConfig(gradient_as_bucket_view=True, **kwargs))
+    """The DDP of "pycomm_zero" (pycomm's own, default options); its optimizer is made by
+    `optimizer`."""
+    return PycommDDP(module, config=DDPConfig(**kwargs))
 
 
 def optimizer(impl: str, model: nn.Module, name: str) -> torch.optim.Optimizer:

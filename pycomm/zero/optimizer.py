@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from .. import _C, registry, shm
@@ -108,7 +108,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
         self.gathers = GatherLog()
         self._signature = None
-        self._stepped = False
         self.optim: Optional[Optimizer] = None
         self._relayout(whole=None)
         if self._ddp is not None:
@@ -199,6 +198,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                     flat[off:off + n].copy_(p.detach().reshape(-1))
                     p.data = flat[off:off + n].view(p.shape)
                 self._flat.append(flat)
+        state = getattr(self, "_hook_state", None)
+        if state is not None:  # shards the hook kept for buckets that are gone
+            sizes = {s.index: s.numel - (s.world - 1) * s.shard for s in self._shards}
+            for index in [i for i, t in state.grads.items() if sizes.get(i) != t.numel()]:
+                del state.grads[index]
         self._pieces: list[tuple[BucketShard, Piece, torch.Tensor]] = []
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         inner_groups = [dict(g, params=[]) for g in self.param_groups]
@@ -237,8 +241,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # Gloo's (an all-reduce per rank), its all-reduce the hierarchical one
         reduce_scatter = (dist.get_backend(self._comm_group) == "pycomm"
                           and shm.hierarchy(self._comm_group) is None)
-        self._hook_state = _HookState(self, reduce_scatter)
+        # the buckets' storage is freed once the hook kept the shard, unless it holds
+        # no_sync's fp32 sums between steps (grad_reduce_dtype, Note [main_grad
+        # accumulation]): then param.grad is the reduced bucket, as without sharding
+        release = ddp.config.grad_reduce_dtype is None
+        self._hook_state = _HookState(self, reduce_scatter, release)
         ddp.register_comm_hook(self._hook_state, _reduce_scatter_hook)
+        ddp.reducer.set_release_gradients(release)
         self._hook_handles = []
         by_module: dict[nn.Module, set[int]] = {}
         bucket_of = {}
@@ -312,42 +321,50 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ---- the step ---------------------------------------------------------------------
 
-    def _grad_source(self, index: int) -> Optional[torch.Tensor]:
-        """Parameter `index`'s averaged gradient, flat (None: it has none this step, as a
-        parameter no rank used, whose .grad torch's DDP leaves None)."""
-        p = self._params[index]
+    def _grad_runs(self) -> list[Optional[torch.Tensor]]:
+        """Per piece (self._pieces' order), its averaged gradient run, or None where the
+        parameter has none this step (torch's DDP leaves param.grad None for a parameter
+        no rank used; zero_grad dropped it). On a pycomm DDP the runs are the shards the
+        communication hook kept (See Note [Sharding on the reducer])."""
+        local = [None if p.grad is None else p.grad.reshape(-1) for p in self._params]
         if self._ddp is None:
-            return None if p.grad is None else p.grad.reshape(-1)
-        if p.grad is None and not (self._ddp.config.main_grad_only and
-                                   getattr(p, "main_grad", None) is not None):
-            return None
-        return self._ddp.reducer.grad_view(index).reshape(-1)
+            return [None if local[piece.param] is None else
+                    local[piece.param][piece.lo:piece.hi] for _, piece, _ in self._pieces]
+        unused = set(self._ddp.reducer.unused_parameters())
+        kept, fresh = self._hook_state.grads, self._hook_state.fresh
+        runs: list[Optional[torch.Tensor]] = []
+        for shard, piece, _ in self._pieces:
+            flat = kept.get(shard.index) if shard.index in fresh else None
+            if flat is None:  # no synchronized backward since zero_grad: what param.grad
+                grad = local[piece.param]  # holds (no_sync's local sum), as unsharded
+                runs.append(None if grad is None else grad[piece.lo:piece.hi])
+                continue
+            if piece.param in unused:
+                runs.append(None)
+                continue
+            lo, _ = shard.mine
+            tail, _ = shard.tail
+            start = piece.flat - lo if piece.flat < tail else shard.shard + piece.flat - tail
+            runs.append(flat[start:start + piece.numel])
+        return runs
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any):
+        Join.notify_join_context(self)  # a joined rank shadows this step (join_hook)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._follow_buckets()
         self._sync_groups()
-        sources: dict[int, Optional[torch.Tensor]] = {}
-        for _, piece, main in self._pieces:
-            if piece.param not in sources:
-                sources[piece.param] = self._grad_source(piece.param)
-            src = sources[piece.param]
-            if src is None:
-                main.grad = None
-                continue
-            run = src[piece.lo:piece.hi]
-            main.grad = run if run.dtype == main.dtype else run.to(main.dtype)
+        for (_, _, main), run in zip(self._pieces, self._grad_runs()):
+            main.grad = run if run is None or run.dtype == main.dtype else run.to(main.dtype)
         self.optim.step(**kwargs)
         self._sync_groups(into_inner=False)
         for shard, piece, main in self._pieces:
             run = self._flat[shard.index][piece.flat:piece.flat + piece.numel]
             if run.data_ptr() != main.data_ptr():
                 run.copy_(main)
-        self._stepped = True
         self._gather()
         return loss
 
@@ -368,6 +385,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.wait_for_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._ddp is not None:  # the shards the hook kept are this optimizer's grads
+            self._hook_state.fresh.clear()
         for p in self._all_params:
             if p.grad is None:
                 continue
@@ -398,11 +417,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._follow_buckets()
         norm_type = float(norm_type)
         runs, tail_runs = [], []
-        for shard, piece, _ in self._pieces:
-            src = self._grad_source(piece.param)
-            if src is None:
-                continue
-            (tail_runs if shard.owner(piece.flat) < 0 else runs).append(src[piece.lo:piece.hi])
+        for (shard, piece, _), run in zip(self._pieces, self._grad_runs()):
+            if run is not None:
+                (tail_runs if shard.owner(piece.flat) < 0 else runs).append(run)
         counted = runs + (tail_runs if self.rank == 0 else [])
         device = self._params[0].device
         inf = norm_type == float("inf")
@@ -598,24 +615,30 @@ def _short(value: Any) -> str:
 
 
 class _ZeroJoinHook(JoinHook):
-    """A joined rank's shadow of step(): the parameter all-gathers the others run."""
+    """A joined rank's shadow of step(), after the DDP's shadow of the backward: that
+    reduce-scattered its zero buckets, so this rank kept the others' averaged gradients of
+    its range, which it steps and all-gathers as they do (its shard must stay current)."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
     def main_hook(self) -> None:
-        if self.zero._stepped:
-            self.zero._gather()
-            self.zero.wait_for_params()
+        self.zero.step()
 
 
 class _HookState:
-    def __init__(self, zero: ZeroRedundancyOptimizer, reduce_scatter: bool):
-        self.zero = weakref.ref(zero)
+    """What the communication hook needs, and what it keeps: per bucket index, the
+    averaged gradients of this rank's range and of the tail, back to back (the optimizer's
+    gradients; reused from step to step while the bucket keeps its size)."""
+
+    def __init__(self, zero: ZeroRedundancyOptimizer, reduce_scatter: bool, release: bool):
         self.reduce_scatter = reduce_scatter
+        self.release = release  # free the bucket's storage once its shard is kept
         self.world = zero.world_size
         self.rank = zero.rank
         self.group = zero._comm_group
+        self.grads: dict[int, torch.Tensor] = {}
+        self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
 
 
 def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -633,18 +656,24 @@ def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.fu
         if buf.numel() > world * s:
             futures.append(dist.all_reduce(buf[world * s:], group=group,
                                            async_op=True).get_future())
-        used = [buf[rank * s:(rank + 1) * s], buf[world * s:]]
     else:
         futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
-        used = [buf]
+    index, kept = bucket.index(), state.grads
 
-    def average(_):
-        for t in used:
-            t.div_(world)
+    def keep(_):
+        mine = buf.numel() - (world - 1) * s  # the range and the tail
+        out = kept.get(index)
+        if out is None or out.numel() != mine or out.dtype != buf.dtype:
+            out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
+        torch.div(buf[rank * s:(rank + 1) * s], world, out=out[:s])
+        torch.div(buf[world * s:], world, out=out[s:])
+        state.fresh.add(index)
+        if state.release:  # See Note [Released gradients] in csrc/reducer/launch.cpp
+            buf.untyped_storage().resize_(0)
         return buf
 
     done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
-    return done.then(average)
+    return done.then(keep)
 
 
 __all__ = ["ZeroRedundancyOptimizer"]

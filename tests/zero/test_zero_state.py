@@ -179,6 +179,41 @@ def test_optimizer_state_is_one_world_th(world):
     run_ranks(_memory, world)
 
 
+def _released(rank, world_size):
+    """ZeRO-2 memory (Note [Released gradients]): after a synchronized backward no
+    param.grad is left, every bucket's storage is freed, and the rank keeps 1/world of the
+    gradients (+ the tails); no_sync accumulates in param.grad as usual. With
+    grad_reduce_dtype the fp32 buckets stay (they hold no_sync's sums)."""
+    base = build("wide")
+    ddp = _ddp(base)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    whole = sum(p.numel() for p in base.parameters())
+    buckets = len(ddp.reducer.bucket_indices())
+    for step in range(3):  # the buckets are re-cut after step 0
+        zero.zero_grad()
+        with ddp.no_sync():
+            loss_of(ddp(make_input("mlp", rank, 50 + step))).backward()
+        assert all(p.grad is not None for p in ddp.parameters()), "no_sync keeps param.grad"
+        loss_of(ddp(make_input("mlp", rank, step))).backward()
+        assert all(p.grad is None for p in ddp.parameters()), f"step {step}: a grad is kept"
+        assert all(ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
+                   for i in range(len(ddp._named_params))), f"step {step}: a bucket is kept"
+        kept = sum(t.numel() for t in zero._hook_state.grads.values())
+        assert whole / world_size <= kept <= whole / world_size + world_size * buckets, kept
+        zero.step()
+    low = _ddp(base.to(torch.bfloat16), grad_reduce_dtype=torch.float32)
+    zero = pycomm.ZeroRedundancyOptimizer(low.parameters(), torch.optim.AdamW, lr=1e-2)
+    loss_of(low(make_input("mlp", rank, 0).to(torch.bfloat16))).float().backward()
+    assert all(p.grad is not None for p in low.parameters())
+    assert all(low.reducer.grad_view(i).untyped_storage().nbytes() > 0
+               for i in range(len(low._named_params)))
+    zero.step()
+
+
+def test_gradients_are_released_after_their_bucket():
+    run_ranks(_released, 2)
+
+
 def _errors(rank, world_size):
     base = build("mlp")
     ddp = _ddp(base)
@@ -209,3 +244,62 @@ def _errors(rank, world_size):
 
 def test_bad_input_is_named():
     run_ranks(_errors, 2)
+
+
+def _uneven(rank, world_size):
+    """join(): rank 1 runs out of data two steps early. Its DDP shadow reduce-scatters
+    zeros, so it keeps the others' averaged gradients of its range, and its optimizer's
+    shadow steps them and all-gathers: rank 0 trains exactly as with pycomm's DDP + AdamW
+    under join, and every rank ends with the same parameters."""
+    from torch.distributed.algorithms.join import Join
+
+    base = build("mlp")
+    steps = 6 if rank == 0 else 4
+    results = []
+    for sharded in (True, False):
+        ddp = _ddp(base)
+        opt = (pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+               if sharded else torch.optim.AdamW(ddp.parameters(), lr=1e-2))
+        with Join([ddp, opt] if sharded else [ddp]):
+            _train(ddp, opt, rank, steps)
+        results.append([p.detach().clone() for p in ddp.parameters()])
+    if rank == 0:
+        for p, q in zip(*results):
+            assert torch.equal(p, q)
+    gathered = [None] * world_size
+    torch.distributed.all_gather_object(gathered, results[0])
+    for p, q in zip(*gathered):
+        assert torch.equal(p, q), "the ranks' parameters differ after join"
+
+
+def test_join_with_uneven_inputs():
+    run_ranks(_uneven, 2)
+
+
+def _no_sync_only(rank, world_size):
+    """A step after only no_sync backwards steps param.grad's local sums, as an unsharded
+    optimizer does (no shard was reduced since zero_grad); the next synchronized step reads
+    the reduced shards again. The ranks' parameters then differ, as they would unsharded."""
+    base = build("mlp")
+    pairs = []
+    for sharded in (True, False):
+        ddp = _ddp(base)
+        opt = (pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+               if sharded else torch.optim.AdamW(ddp.parameters(), lr=1e-2))
+        _train(ddp, opt, rank, 2)
+        opt.zero_grad()
+        with ddp.no_sync():
+            loss_of(ddp(make_input("mlp", rank, 7))).backward()
+        opt.step()
+        pairs.append((ddp, opt))
+    (ours, zero), (plain, _) = pairs
+    zero.wait_for_params()
+    # rank-local steps: only the rank's own range (and the tail) was stepped by the sharded
+    # optimizer and then all-gathered, so compare what the rank owns
+    for _, piece, main in zero._pieces:
+        want = list(plain.parameters())[piece.param].detach().reshape(-1)[piece.lo:piece.hi]
+        assert torch.equal(main, want)
+
+
+def test_a_step_after_only_no_sync_steps_the_local_gradients():
+    run_ranks(_no_sync_only, 2)
