@@ -108,6 +108,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
         self.gathers = GatherLog()
         self._signature = None
+        self._holds_state = False  # stepped, or loaded: a re-cut must move the state
+        self._first_grads = None  # See Note [The first step's buckets]
         self.optim: Optional[Optimizer] = None
         self._relayout(whole=None)
         if self._ddp is not None:
@@ -220,6 +222,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._sync_groups(into_inner=False)
         if whole:
             self._load_whole(whole)
+        if getattr(self, "_module_buckets", None) is not None:
+            self._map_modules()
 
     def _sync_groups(self, into_inner: bool = True) -> None:
         """Hyperparameters (lr from a scheduler...) between the full groups and the wrapped
@@ -249,16 +253,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         ddp.register_comm_hook(self._hook_state, _reduce_scatter_hook)
         ddp.reducer.set_release_gradients(release)
         self._hook_handles = []
-        by_module: dict[nn.Module, set[int]] = {}
-        bucket_of = {}
-        for shard in self._shards:
-            for i in shard.params:
-                bucket_of[id(self._params[i])] = shard.index
-        for module in ddp.module.modules():
-            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)
-                   if id(p) in bucket_of}
-            if own:
-                by_module[module] = own
+        self._map_modules()
         weak = weakref.ref(self)
 
         # Traced by dynamo when the module is compiled: is_compiling() makes them nothing
@@ -278,12 +273,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if zero is not None and zero._pending:
                 zero.wait_for_params()
 
-        self._module_buckets = by_module
-        for module in by_module:
+        for module in self._module_buckets:
             self._hook_handles.append(module.register_forward_pre_hook(wait_module))
         # what reads the parameters other than a module's forward
         self._hook_handles.append(ddp.module.register_forward_hook(wait_all))
         self._hook_handles.append(ddp.module.register_state_dict_pre_hook(wait_all))
+
+    def _map_modules(self) -> None:
+        """Per module of the DDP's with parameters of its own, the buckets they are in
+        (what its forward pre-hook waits for); after every layout."""
+        bucket_of = {i: shard.index for shard in self._shards for i in shard.params}
+        self._module_buckets: dict[nn.Module, set[int]] = {}
+        for module in self._ddp.module.modules():
+            own = {bucket_of[self._index[id(p)]] for p in module.parameters(recurse=False)
+                   if id(p) in self._index}
+            if own:
+                self._module_buckets[module] = own
 
     def before_module_call(self, compiled: bool) -> None:
         """The DDP's forward, before it calls its module: a compiled module's graph has
@@ -313,11 +318,29 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def _follow_buckets(self) -> None:
         """Pending all-gathers done, and the shards re-cut if the reducer re-cut its
-        buckets (its one rebuild after the first step): the state moves to the new pieces.
-        First thing of whatever reads the pieces after a backward. Collective."""
+        buckets: the state moves to the new pieces. First thing of whatever reads the
+        pieces after a backward. Collective.
+
+        Note [The first step's buckets]
+        The reducer re-cuts its buckets once, from the gradient order of the first
+        synchronized step. Until then (_HookState.final False) the hook all-reduces whole
+        buckets and keeps them; the first step (or the clip before it) does the re-cut
+        itself, before the optimizer holds any state, cuts the shards anew and reads the
+        first gradients out of the whole buckets. So the state never moves between ranks
+        (but when it was loaded before the first step), and that first step holds whole
+        gradients, as DDP does; every later one holds shards."""
         self.wait_for_params()
-        if self._ddp is not None and shard_layout.signature(self._buckets()) != self._signature:
-            self._relayout(self._whole_states())
+        if self._ddp is None:
+            return
+        state = self._hook_state
+        if not state.final and state.fresh:
+            before = self._shards
+            self._ddp._sync.rebuild_buckets_if_due()
+            self._first_grads = (before, dict(state.whole))
+            state.final, state.whole = True, {}
+            state.fresh.clear()
+        if shard_layout.signature(self._buckets()) != self._signature:
+            self._relayout(self._whole_states() if self._holds_state else None)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -331,6 +354,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return [None if local[piece.param] is None else
                     local[piece.param][piece.lo:piece.hi] for _, piece, _ in self._pieces]
         unused = set(self._ddp.reducer.unused_parameters())
+        if self._first_grads is not None:  # See Note [The first step's buckets]
+            return self._first_runs(local, unused)
         kept, fresh = self._hook_state.grads, self._hook_state.fresh
         runs: list[Optional[torch.Tensor]] = []
         for shard, piece, _ in self._pieces:
@@ -348,6 +373,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             runs.append(flat[start:start + piece.numel])
         return runs
 
+    def _first_runs(self, local, unused) -> list[Optional[torch.Tensor]]:
+        """_grad_runs of the first step: pieces read from the whole buckets it kept, laid
+        out as before the re-cut."""
+        before, whole = self._first_grads
+        where = {i: (shard.index, off) for shard in before
+                 for i, off in zip(shard.params, shard.offsets)}
+        runs: list[Optional[torch.Tensor]] = []
+        for _, piece, _ in self._pieces:
+            bucket, off = where[piece.param]
+            if piece.param in unused:
+                runs.append(None)
+            elif bucket not in whole:
+                grad = local[piece.param]
+                runs.append(None if grad is None else grad[piece.lo:piece.hi])
+            else:
+                runs.append(whole[bucket][off + piece.lo:off + piece.hi])
+        return runs
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any):
         Join.notify_join_context(self)  # a joined rank shadows this step (join_hook)
@@ -360,6 +403,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         for (_, _, main), run in zip(self._pieces, self._grad_runs()):
             main.grad = run if run is None or run.dtype == main.dtype else run.to(main.dtype)
         self.optim.step(**kwargs)
+        self._holds_state = True
+        self._first_grads = None
         self._sync_groups(into_inner=False)
         for shard, piece, main in self._pieces:
             run = self._flat[shard.index][piece.flat:piece.flat + piece.numel]
@@ -387,6 +432,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._ddp is not None:  # the shards the hook kept are this optimizer's grads
             self._hook_state.fresh.clear()
+            self._first_grads = None
         for p in self._all_params:
             if p.grad is None:
                 continue
@@ -585,6 +631,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             whole = {i: saved[n] for i, n in number.items() if n in saved}
         for group, saved in zip(self.param_groups, groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
+        self._holds_state = True
         self._relayout(whole)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -639,6 +686,12 @@ class _HookState:
         self.group = zero._comm_group
         self.grads: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
+        # See Note [The first step's buckets]: False while a re-cut is still to come (the
+        # DDP records its first step: not with find_unused_parameters alone), when whole
+        # buckets are all-reduced and kept here
+        ddp = zero._ddp
+        self.final = ddp.config.find_unused_parameters and not ddp.config.static_graph
+        self.whole: dict[int, torch.Tensor] = {}
 
 
 def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
@@ -647,6 +700,15 @@ def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.fu
     buf = bucket.buffer()
     world, rank, group = state.world, state.rank, state.group
     s = buf.numel() // world
+    index = bucket.index()
+    if not state.final:  # See Note [The first step's buckets]
+        def keep_whole(_):
+            buf.div_(world)
+            state.whole[index] = buf
+            state.fresh.add(index)
+            return buf
+
+        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
     futures = []
     if state.reduce_scatter:
         if s:
@@ -658,7 +720,7 @@ def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.fu
                                            async_op=True).get_future())
     else:
         futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
-    index, kept = bucket.index(), state.grads
+    kept = state.grads
 
     def keep(_):
         mine = buf.numel() - (world - 1) * s  # the range and the tail

@@ -153,6 +153,14 @@ def _reads(rank, world_size):
             with torch.no_grad():
                 assert torch.equal(ddp.module(x), plain.module(x))
         assert not zero._pending
+        # each module's pre-hook waits for the buckets its parameters are in now (the
+        # buckets were re-cut after step 0)
+        index = {id(p): i for i, p in enumerate(ddp.parameters())}
+        bucket = {i: b for b, members in enumerate(ddp.reducer.bucket_indices())
+                  for i in members}
+        for module, waited in zero._module_buckets.items():
+            want = {bucket[index[id(p)]] for p in module.parameters(recurse=False)}
+            assert waited == want, (module, waited, want)
 
 
 def test_reading_the_model_waits_for_pending_all_gathers():
@@ -181,9 +189,10 @@ def test_optimizer_state_is_one_world_th(world):
 
 def _released(rank, world_size):
     """ZeRO-2 memory (Note [Released gradients]): after a synchronized backward no
-    param.grad is left, every bucket's storage is freed, and the rank keeps 1/world of the
-    gradients (+ the tails); no_sync accumulates in param.grad as usual. With
-    grad_reduce_dtype the fp32 buckets stay (they hold no_sync's sums)."""
+    param.grad is left, every bucket's storage is freed (from the second step: the first
+    keeps whole buckets until the re-cut), and the rank keeps 1/world of the gradients (+
+    the tails); no_sync accumulates in param.grad as usual. With grad_reduce_dtype the
+    fp32 buckets stay (they hold no_sync's sums)."""
     base = build("wide")
     ddp = _ddp(base)
     zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -196,11 +205,16 @@ def _released(rank, world_size):
         assert all(p.grad is not None for p in ddp.parameters()), "no_sync keeps param.grad"
         loss_of(ddp(make_input("mlp", rank, step))).backward()
         assert all(p.grad is None for p in ddp.parameters()), f"step {step}: a grad is kept"
-        assert all(ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
-                   for i in range(len(ddp._named_params))), f"step {step}: a bucket is kept"
-        kept = sum(t.numel() for t in zero._hook_state.grads.values())
-        assert whole / world_size <= kept <= whole / world_size + world_size * buckets, kept
+        freed = [ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
+                 for i in range(len(ddp._named_params))]
+        if step == 0:  # See Note [The first step's buckets]: whole, then re-cut
+            assert not any(freed), "the first step keeps its whole buckets"
+        else:
+            assert all(freed), f"step {step}: a bucket is kept"
+            kept = sum(t.numel() for t in zero._hook_state.grads.values())
+            assert whole / world_size <= kept <= whole / world_size + world_size * buckets
         zero.step()
+    assert zero._hook_state.final and not zero._hook_state.whole
     low = _ddp(base.to(torch.bfloat16), grad_reduce_dtype=torch.float32)
     zero = pycomm.ZeroRedundancyOptimizer(low.parameters(), torch.optim.AdamW, lr=1e-2)
     loss_of(low(make_input("mlp", rank, 0).to(torch.bfloat16))).float().backward()
