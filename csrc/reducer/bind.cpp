@@ -162,11 +162,13 @@ void bind_reducer(py::module& m) {
            "[(address, 'hostname: ranks ...')] per host, named in failure messages")
       .def(
           "register_comm_hook",
-          [](Reducer& r, py::object state, py::object hook) {
-            r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
-                                                                      std::move(hook)));
+          [](Reducer& r, py::object state, py::object hook, bool pre_divided) {
+            r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(
+                std::move(state), std::move(hook), pre_divided));
           },
-          py::arg("state"), py::arg("hook"))
+          py::arg("state"), py::arg("hook"), py::arg("pre_divided") = false,
+          "pre_divided: the reducer scales each gradient by 1/world into the bucket and the "
+          "hook only sums (See PythonCommHook in csrc/reducer/comm_hook.h)")
       .def("has_comm_hook", &Reducer::has_python_comm_hook)
       .def("set_release_gradients", &Reducer::set_release_gradients, py::arg("release"),
            "See Note [Released gradients] in csrc/reducer/launch.cpp")

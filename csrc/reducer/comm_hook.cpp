@@ -89,8 +89,8 @@ FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {
   return work->getFuture();
 }
 
-PythonCommHook::PythonCommHook(py::object state, py::object hook)
-    : state_(std::move(state)), hook_(std::move(hook)) {}
+PythonCommHook::PythonCommHook(py::object state, py::object hook, bool pre_divided)
+    : state_(std::move(state)), hook_(std::move(hook)), pre_divided_(pre_divided) {}
 
 PythonCommHook::~PythonCommHook() {
   py::gil_scoped_acquire gil;

@@ -67,15 +67,19 @@ class AllreduceSumHook final : public CommHook {
 
 class PythonCommHook final : public CommHook {
  public:
-  PythonCommHook(pybind11::object state, pybind11::object hook);
+  // `pre_divided`: the reducer scales each gradient by 1/world as it copies it into the
+  // bucket, as without a hook, and the hook only sums (pycomm.ZeroRedundancyOptimizer's:
+  // DDP's numerics, no overflow of a low-precision sum); torch's hooks divide themselves.
+  PythonCommHook(pybind11::object state, pybind11::object hook, bool pre_divided = false);
   ~PythonCommHook() override;
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
-  bool reducer_divides() const override { return false; }
+  bool reducer_divides() const override { return pre_divided_; }
 
  private:
   pybind11::object state_;
   pybind11::object hook_;
+  bool pre_divided_;
 };
 
 // A real torch GradBucket over `bucket` (its buffer, or `buffer` when given).

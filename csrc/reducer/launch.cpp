@@ -102,8 +102,7 @@ void Reducer::mark_ready(size_t index, bool used) {
 // it is copied into its bucket (param.grad is None again); finalize leaves param.grad
 // alone. At any moment a rank holds the gradients not yet copied, the buckets filling or
 // in flight, and its shards. Under no_sync nothing is copied, so param.grad accumulates as
-// usual; batched_grad_copy keeps param.grad until the bucket's one copy (it is not
-// dropped there).
+// usual; batched_grad_copy drops the gradients at the bucket's one copy.
 static void ensure_storage(const at::Tensor& buffer) {
   const auto need = static_cast<size_t>((buffer.storage_offset() + buffer.numel()) *
                                         static_cast<int64_t>(buffer.element_size()));
@@ -196,7 +195,9 @@ void Reducer::flush_batched(Bucket& bucket) {
       grads.push_back(params_[bucket.params[slot]].grad());
     }
     at::_foreach_copy_(views, grads);
-    if (options_.gradient_as_bucket_view) {
+    if (release_grads_) {
+      for (size_t slot : bucket.deferred) params_[bucket.params[slot]].mutable_grad().reset();
+    } else if (options_.gradient_as_bucket_view) {
       for (size_t slot : bucket.deferred) {
         at::Tensor& grad = params_[bucket.params[slot]].mutable_grad();
         if (grad.scalar_type() == bucket.views[slot].scalar_type()) grad = bucket.views[slot];
