@@ -52,7 +52,7 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
                           stacklevel=3)
     sharder = registry.sharder_of(parameters[0]) if parameters else None
     if sharder is not None and sharder.covers(parameters):
-        return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, parameters)
     # Reads every .grad in C++: plain CPU gradients are clipped right there, anything else
     # by the pycomm::clip_grad_norm_ composite, unboxed. See csrc/grad/clip_bind.cpp for
     # why this is not a torch.ops call.

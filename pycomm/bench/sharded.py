@@ -27,13 +27,14 @@ ADAMW_IMPLS = ("pycomm", "pycomm_zero", "torch_zero", "fsdp2")
 
 
 def fsdp2(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
-    """torch's FSDP2 over the bench model: each block of its body, then the root."""
+    """torch's FSDP2 over the bench model: each block of its body (a Linear of the MLP, a
+    layer of the transformer), then the root."""
     del bucket_cap_mb  # FSDP2 communicates per fully_shard unit, not per bucket
     from torch.distributed.fsdp import fully_shard
 
     body = next(iter(module.children()))
-    blocks = [m for m in body.modules() if m is not body and any(
-        True for _ in m.parameters(recurse=False))]
+    layers = getattr(body, "layers", body)  # TransformerEncoder's layers, or the Sequential
+    blocks = [m for m in layers.children() if any(True for _ in m.parameters())]
     for block in blocks:
         fully_shard(block, reshard_after_forward=False)
     fully_shard(module, reshard_after_forward=False)

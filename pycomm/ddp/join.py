@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from .. import registry
 from ..config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .forward import ForwardSync
 
@@ -77,6 +78,9 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join."""
         sync, flags = self.sync(), self.flags
+        sharder = registry.sharder_of(sync.params[0])
+        if sharder is not None:  # its all-gathers write the parameters broadcast here
+            sharder.wait_for_params()
         src = sync.common_rank(is_last_joiner)
         states = [p.detach() for _, p in sync.params_to_sync()]
         if flags.config.broadcast_buffers:

@@ -216,6 +216,17 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         self.reducer.register_comm_hook(state, hook)
         self._sync.comm_hook = (state, hook)
 
+    def _register_sharding_hook(self, state: object, hook: Callable) -> None:
+        """pycomm.ZeroRedundancyOptimizer's communication hook: the reducer pre-divides
+        each gradient as without a hook, and the hook only sums (PythonCommHook's
+        pre_divided in csrc/reducer/comm_hook.h)."""
+        if self._sync.comm_hook is not None:
+            raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
+                               "collective with a reduce-scatter; this DDP already has a "
+                               "communication hook registered")
+        self.reducer.register_comm_hook(state, hook, pre_divided=True)
+        self._sync.comm_hook = (state, hook)
+
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,

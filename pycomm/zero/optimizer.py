@@ -3,28 +3,36 @@ the optimizer state of its shard only (See Note [Flat shards of a bucket] in lay
 
 Note [Sharding on the reducer]
 On the parameters of a pycomm.DistributedDataParallel it changes what the DDP's reducer
-does with each bucket (a communication hook, registered at construction):
+does with each bucket (a communication hook, registered at construction; the reducer
+still pre-divides each gradient by the world size as it copies it into the bucket, so the
+collectives only sum, with DDP's numerics):
 - backward: a bucket's gradients are reduce-scattered the moment the bucket is complete
   on the DDP's gradient group, the shared-memory group on one host, so each rank receives
   the averaged gradients of its range only; the tail is all-reduced. On a group whose
   reduce-scatter is Gloo's (one all-reduce per rank: a plain Gloo group, and the hierarchy
   across hosts, which hands reduce-scatters to its flat Gloo part), the bucket is
-  all-reduced instead (the same bytes as DDP; hierarchically across hosts) and the rank
-  reads its range.
+  all-reduced instead (the same bytes as DDP; hierarchically across hosts). The hook
+  keeps the rank's range and the tail (_HookState.grads) and frees the bucket's storage;
+  the reducer drops each param.grad once copied (Note [Released gradients] in
+  csrc/reducer/launch.cpp). Before the DDP's one bucket re-cut, whole buckets are
+  all-reduced instead (Note [The first step's buckets]).
 - step: the wrapped optimizer steps this rank's pieces: views of the parameters (fp32,
-  fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with
-  gradients read from the bucket where the reduce-scatter left them (widened to fp32 for a
-  low-precision bucket). 1/world of the optimizer's state and memory traffic per rank.
+  fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with the
+  kept gradients (widened to fp32 for a low-precision bucket). 1/world of the optimizer's
+  state and memory traffic per rank.
 - then every bucket's parameters are all-gathered, last bucket first (the first layers
   are in the last bucket): each parameter is a view of its bucket's flat parameter buffer,
   which the all-gather fills in place. With overlap_with_ddp=True the all-gathers run
   behind the next forward: a forward pre-hook of each module waits for the buckets of its
   own parameters; the module's state_dict(), the next step() and wait_for_params() wait
-  for all. Without it step() returns with the parameters gathered (torch's semantics).
-param.grad after backward holds the averaged gradient on the elements this rank owns;
-elsewhere it holds what the reduce-scatter left (not the average). Clip with
+  for all. Without it step() returns with the parameters gathered (torch's semantics). A
+  module that reads another module's parameter before that module's forward ran (a tied
+  weight used first by its second user) must call wait_for_params() itself.
+param.grad after a synchronized backward is None (with grad_reduce_dtype, whose buckets
+are kept: the bucket as copied by the DDP, averaged on this rank's range only). Clip with
 ddp.clip_grad_norm_, pycomm.clip_grad_norm_ or this optimizer's clip_grad_norm_, which
-take the global norm from the shards.
+take the global norm from the shards; torch's clip_grad_norm_ and GradScaler read
+param.grad and see none.
 
 Without a pycomm DDP (gradients already averaged in param.grad, e.g. by torch's DDP) it
 does what torch's ZeroRedundancyOptimizer does, on flat shards: step its pieces, all-gather
@@ -147,6 +155,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         mine = {id(p) for p in self._all_params}
         if self._ddp is None:
             return
+        for name, p in zip(self._names, self._params):
+            if not p.is_contiguous():
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer (rank {self.global_rank}): parameter {name!r} is "
+                    f"not contiguous (strides {p.stride()}, e.g. channels_last); the shards are "
+                    f"flat runs of the DDP's buckets, laid out in the parameters' memory order: "
+                    f"make the parameters contiguous before wrapping the module")
         missing = [n for n, p in zip(self._names, self._params) if id(p) not in mine]
         if missing:
             raise ValueError(
@@ -237,10 +252,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     # ---- the DDP side -----------------------------------------------------------------
 
     def _attach(self, ddp) -> None:
-        if ddp._sync.comm_hook is not None:
-            raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
-                               "collective with a reduce-scatter; this DDP already has a "
-                               "communication hook registered")
         # shared memory on one host; across hosts the hierarchy's reduce-scatter is flat
         # Gloo's (an all-reduce per rank), its all-reduce the hierarchical one
         reduce_scatter = (dist.get_backend(self._comm_group) == "pycomm"
@@ -250,7 +261,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # accumulation]): then param.grad is the reduced bucket, as without sharding
         release = ddp.config.grad_reduce_dtype is None
         self._hook_state = _HookState(self, reduce_scatter, release)
-        ddp.register_comm_hook(self._hook_state, _reduce_scatter_hook)
+        ddp._register_sharding_hook(self._hook_state, _reduce_scatter_hook)
         ddp.reducer.set_release_gradients(release)
         self._hook_handles = []
         self._map_modules()
@@ -333,12 +344,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._ddp is None:
             return
         state = self._hook_state
-        if not state.final and state.fresh:
-            before = self._shards
+        if not state.final and state.first:
             self._ddp._sync.rebuild_buckets_if_due()
-            self._first_grads = (before, dict(state.whole))
-            state.final, state.whole = True, {}
-            state.fresh.clear()
+            self._first_grads, state.first, state.final = state.first, {}, True
         if shard_layout.signature(self._buckets()) != self._signature:
             self._relayout(self._whole_states() if self._holds_state else None)
 
@@ -374,21 +382,17 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return runs
 
     def _first_runs(self, local, unused) -> list[Optional[torch.Tensor]]:
-        """_grad_runs of the first step: pieces read from the whole buckets it kept, laid
-        out as before the re-cut."""
-        before, whole = self._first_grads
-        where = {i: (shard.index, off) for shard in before
-                 for i, off in zip(shard.params, shard.offsets)}
+        """_grad_runs of the first step: pieces read from the whole gradients it kept."""
+        first = self._first_grads
         runs: list[Optional[torch.Tensor]] = []
         for _, piece, _ in self._pieces:
-            bucket, off = where[piece.param]
             if piece.param in unused:
                 runs.append(None)
-            elif bucket not in whole:
+            elif piece.param not in first:
                 grad = local[piece.param]
                 runs.append(None if grad is None else grad[piece.lo:piece.hi])
             else:
-                runs.append(whole[bucket][off + piece.lo:off + piece.hi])
+                runs.append(first[piece.param][piece.lo:piece.hi])
         return runs
 
     @torch.no_grad()
@@ -405,6 +409,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.optim.step(**kwargs)
         self._holds_state = True
         self._first_grads = None
+        if self._ddp is not None:  # consumed: a joined rank's shadow never zero_grads
+            self._hook_state.clear()
         self._sync_groups(into_inner=False)
         for shard, piece, main in self._pieces:
             run = self._flat[shard.index][piece.flat:piece.flat + piece.numel]
@@ -431,7 +437,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._ddp is not None:  # the shards the hook kept are this optimizer's grads
-            self._hook_state.fresh.clear()
+            self._hook_state.clear()
             self._first_grads = None
         for p in self._all_params:
             if p.grad is None:
@@ -451,20 +457,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False) -> torch.Tensor:
+                        error_if_nonfinite: bool = False,
+                        parameters: Optional[Iterable[torch.Tensor]] = None) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, as torch.nn.utils.
         clip_grad_norm_ over the whole model would: the norm from every rank's range (the
         tail counted once), one all-reduce of the partial, the pieces scaled. Inside the
         DDP's no_sync (local gradients in param.grad, nothing reduced) it clips param.grad
-        as pycomm.clip_grad_norm_ does."""
+        as pycomm.clip_grad_norm_ does. `parameters` (default: all it shards) restricts the
+        norm and the scaling to those, as torch's clip of a subset does. Collective."""
+        chosen = None if parameters is None else {
+            self._index[id(p)] for p in parameters if id(p) in self._index}
         if self._ddp is not None and not self._ddp.require_backward_grad_sync:
-            return _C._clip_grad_norm_(self._params, float(max_norm), float(norm_type),
+            local = self._params if chosen is None else [self._params[i] for i in chosen]
+            return _C._clip_grad_norm_(local, float(max_norm), float(norm_type),
                                        bool(error_if_nonfinite))
         self._follow_buckets()
         norm_type = float(norm_type)
         runs, tail_runs = [], []
         for (shard, piece, _), run in zip(self._pieces, self._grad_runs()):
-            if run is not None:
+            if run is not None and (chosen is None or piece.param in chosen):
                 (tail_runs if shard.owner(piece.flat) < 0 else runs).append(run)
         counted = runs + (tail_runs if self.rank == 0 else [])
         device = self._params[0].device
@@ -606,20 +617,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             groups = state_dict[0]["param_groups"] if state_dict else []
             whole = whole_states(runs, shapes)
         elif isinstance(state_dict, dict) and "format" in state_dict:
-            runs = shard_runs(state_dict)
-            if (state_dict["world_size"], state_dict["rank"]) != (self.world_size, self.rank):
-                raise ValueError(
-                    f"ZeroRedundancyOptimizer (rank {self.rank} of {self.world_size}): this "
-                    f"sharded state dict was saved by rank {state_dict['rank']} of "
-                    f"{state_dict['world_size']}; load each rank's own shard, or pass the list "
-                    f"of every rank's shards (any world size)")
-            if tuple(map(tuple, state_dict["signature"])) != self._signature:
-                # saved on other buckets (before the reducer's rebuild, say): the same world
-                # holds every shard, one per rank; collective, on every rank alike
-                everyone: list = [None] * self.world_size
-                dist.all_gather_object(everyone, state_dict, group=self._comm_group)
-                runs = [r for shard in everyone for r in shard_runs(shard)]
-            groups = state_dict["param_groups"]
+            runs, groups = self._own_shard_runs(state_dict)
             whole = whole_states(runs, shapes)
         else:
             number = self._number()
@@ -633,6 +631,31 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             group.update({k: v for k, v in saved.items() if k != "params"})
         self._holds_state = True
         self._relayout(whole)
+
+    def _own_shard_runs(self, shard: dict) -> tuple[list, list]:
+        """load_state_dict of a rank's own sharded dict: every rank checks every rank's
+        (one all-gather of what each passed, so that a bad one fails them all, naming it,
+        rather than leaving the others in a collective); saved on other buckets (before
+        the DDP's re-cut, say), the ranks exchange their shards. Collective."""
+        mine = (shard.get("format") == SHARD_FORMAT, shard.get("world_size"), shard.get("rank"),
+                tuple(map(tuple, shard.get("signature", ()))))
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self._comm_group)
+        wrong = [f"rank {r} passed " + (f"the shard of rank {k} of {w}" if ok else
+                                        "something that is not a sharded state dict")
+                 for r, (ok, w, k, _) in enumerate(everyone)
+                 if not ok or (w, k) != (self.world_size, r)]
+        if wrong:
+            raise ValueError(
+                f"ZeroRedundancyOptimizer (rank {self.rank} of {self.world_size}): "
+                f"{'; '.join(wrong)}. Load each rank's own shard on the same world size, or "
+                f"pass the list of every rank's shards (any world size)")
+        runs = shard_runs(shard)
+        if any(sig != self._signature for *_, sig in everyone):
+            shards: list = [None] * self.world_size
+            dist.all_gather_object(shards, shard, group=self._comm_group)
+            runs = [r for other in shards for r in shard_runs(other)]
+        return runs, shard["param_groups"]
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "optim", None) is not None:
@@ -676,7 +699,8 @@ class _ZeroJoinHook(JoinHook):
 class _HookState:
     """What the communication hook needs, and what it keeps: per bucket index, the
     averaged gradients of this rank's range and of the tail, back to back (the optimizer's
-    gradients; reused from step to step while the bucket keeps its size)."""
+    gradients; reused from step to step while the bucket keeps its size), and before the
+    DDP's re-cut, per parameter, its whole averaged gradient."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer, reduce_scatter: bool, release: bool):
         self.reduce_scatter = reduce_scatter
@@ -684,28 +708,64 @@ class _HookState:
         self.world = zero.world_size
         self.rank = zero.rank
         self.group = zero._comm_group
+        self.index = dict(zero._index)  # id(parameter) -> reducer index
         self.grads: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
         # See Note [The first step's buckets]: False while a re-cut is still to come (the
-        # DDP records its first step: not with find_unused_parameters alone), when whole
-        # buckets are all-reduced and kept here
+        # DDP records its first step: not with find_unused_parameters alone); until then
+        # whole buckets are all-reduced and each parameter's gradient kept in `first`
         ddp = zero._ddp
         self.final = ddp.config.find_unused_parameters and not ddp.config.static_graph
-        self.whole: dict[int, torch.Tensor] = {}
+        self.first: dict[int, torch.Tensor] = {}
+
+    def clear(self) -> None:
+        """The optimizer's zero_grad: nothing reduced since."""
+        self.fresh.clear()
+        self.first.clear()
+
+
+def _raise_failure(future: torch.futures.Future) -> None:
+    """Raise a failed collective's error (each of collect_all's): the bucket's future then
+    fails with it and the reducer reports the bucket; nothing is kept or freed."""
+    value = future.value()
+    if isinstance(value, list):
+        for part in value:
+            if isinstance(part, torch.futures.Future):
+                part.value()
+
+
+def _free(buf: torch.Tensor) -> None:
+    """Free a bucket's storage (See Note [Released gradients] in
+    csrc/reducer/launch.cpp); on CUDA not before this stream's work on it is done."""
+    if buf.is_cuda:
+        buf.record_stream(torch.cuda.current_stream(buf.device))
+    buf.untyped_storage().resize_(0)
 
 
 def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer]):
-    the averaged gradients of this rank's range (and of the tail) land in place."""
+    the reducer pre-divided the gradients (pre_divided), so the collectives sum them into
+    the averages; the rank keeps its range and the tail (added to what it kept since
+    zero_grad, as param.grad accumulates over several synchronized backwards)."""
     buf = bucket.buffer()
     world, rank, group = state.world, state.rank, state.group
     s = buf.numel() // world
     index = bucket.index()
     if not state.final:  # See Note [The first step's buckets]
-        def keep_whole(_):
-            buf.div_(world)
-            state.whole[index] = buf
-            state.fresh.add(index)
+        members = [(state.index[id(p)], p.numel()) for p in bucket.parameters()]
+
+        def keep_whole(fut):
+            _raise_failure(fut)
+            at = 0
+            for i, n in members:
+                run = buf[at:at + n]
+                at += n
+                if i in state.first:
+                    state.first[i] += run
+                else:
+                    state.first[i] = run.clone()
+            if state.release:
+                _free(buf)
             return buf
 
         return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
@@ -718,22 +778,29 @@ def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.fu
         if buf.numel() > world * s:
             futures.append(dist.all_reduce(buf[world * s:], group=group,
                                            async_op=True).get_future())
-    else:
+    elif buf.numel():
         futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
     kept = state.grads
 
-    def keep(_):
+    def keep(fut):
+        if fut is not None:
+            _raise_failure(fut)
         mine = buf.numel() - (world - 1) * s  # the range and the tail
         out = kept.get(index)
+        add = index in state.fresh and out is not None and out.numel() == mine
         if out is None or out.numel() != mine or out.dtype != buf.dtype:
             out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
-        torch.div(buf[rank * s:(rank + 1) * s], world, out=out[:s])
-        torch.div(buf[world * s:], world, out=out[s:])
+        for dst, src in ((out[:s], buf[rank * s:(rank + 1) * s]), (out[s:], buf[world * s:])):
+            dst.add_(src) if add else dst.copy_(src)
         state.fresh.add(index)
-        if state.release:  # See Note [Released gradients] in csrc/reducer/launch.cpp
-            buf.untyped_storage().resize_(0)
+        if state.release:
+            _free(buf)
         return buf
 
+    if not futures:  # an empty bucket
+        done = torch.futures.Future()
+        done.set_result(keep(None))
+        return done
     done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
     return done.then(keep)
 

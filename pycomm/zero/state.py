@@ -21,11 +21,17 @@ import torch
 from .layout import Piece
 
 SHARD_FORMAT = "pycomm.ZeroRedundancyOptimizer shard v1"
+# The state entries of torch's elementwise optimizers that are one number per parameter
+# (a count, a learning-rate product), whatever their shape: for a 0-dim parameter, a
+# tensor of the parameter's shape is no sign of a per-element entry.
+SCALAR_KEYS = frozenset({"step", "eta", "mu", "mu_product"})
 
 
-def is_run(value: Any, piece: Piece) -> bool:
-    """Whether a state value is a run of the parameter (tensor state), not a scalar."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == piece.numel
+def is_run(key: str, value: Any, piece: Piece) -> bool:
+    """Whether a piece's state value is a run of the parameter (tensor state), not a
+    scalar."""
+    return (key not in SCALAR_KEYS and isinstance(value, torch.Tensor) and value.dim() == 1
+            and value.numel() == piece.numel)
 
 
 def whole_states(runs: list[tuple[Piece, dict]], shapes: list[torch.Size]) -> dict[int, dict]:
@@ -35,7 +41,7 @@ def whole_states(runs: list[tuple[Piece, dict]], shapes: list[torch.Size]) -> di
     for piece, state in runs:
         whole = out.setdefault(piece.param, {})
         for key, value in state.items():
-            if is_run(value, piece):
+            if is_run(key, value, piece):
                 if key not in whole:
                     whole[key] = torch.zeros(shapes[piece.param], dtype=value.dtype)
                 whole[key].view(-1)[piece.lo:piece.hi] = value.detach().cpu()
@@ -49,7 +55,7 @@ def cut_state(whole: dict, piece: Piece, shape: torch.Size) -> dict:
     """A piece's state out of its parameter's whole state."""
     out = {}
     for key, value in whole.items():
-        if isinstance(value, torch.Tensor) and value.shape == shape and value.dim() > 0:
+        if key not in SCALAR_KEYS and isinstance(value, torch.Tensor) and value.shape == shape:
             out[key] = value.reshape(-1)[piece.lo:piece.hi].clone()
         else:
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
