@@ -41,6 +41,7 @@ the parameters.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Iterable
@@ -114,6 +115,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._check_params()
         self._check_agreement()
         self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
+        # all-gathers still pending when the optimizer goes (overlap_with_ddp=True leaves
+        # the last step's running) are waited for then: a process group destroyed under a
+        # running collective aborts the process
+        weakref.finalize(self, _drain, self._pending)
         self.gathers = GatherLog()
         self._signature = None
         self._holds_state = False  # stepped, or loaded: a re-cut must move the state
@@ -677,6 +682,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
+
+
+def _drain(pending: dict[int, Any]) -> None:
+    for work in list(pending.values()):
+        # the group may already be gone: nothing left to protect then
+        with contextlib.suppress(Exception):
+            work.wait()
+    pending.clear()
 
 
 def _short(value: Any) -> str:
