@@ -25,6 +25,16 @@ def _ddp(base, **options):
                                           config=pycomm.DDPConfig(bucket_cap_mb=CAP, **options))
 
 
+def _pair(base, **options):
+    """(sharded DDP, its ZeroRedundancyOptimizer, plain DDP, its AdamW) over copies of
+    `base`, AdamW lr 1e-2 both."""
+    ddp = _ddp(base)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                          **options)
+    plain = _ddp(base)
+    return ddp, zero, plain, torch.optim.AdamW(plain.parameters(), lr=1e-2)
+
+
 def _train(ddp, opt, rank, steps, first=0, clip=None):
     norms = []
     for step in range(first, first + steps):
@@ -112,11 +122,7 @@ def _save(rank, world_size, folder):
     """Train 6 steps; save the model, the consolidated state dict and every rank's shard;
     check the consolidated one is what a plain AdamW holds after the same training."""
     base = build("mlp")
-    ddp = _ddp(base)
-    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
-                                          overlap_with_ddp=True)
-    plain = _ddp(base)
-    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ddp, zero, plain, adamw = _pair(base, overlap_with_ddp=True)
     for d, o in ((ddp, zero), (plain, adamw)):
         _train(d, o, rank, 6)
     torch.save(zero.sharded_state_dict(), os.path.join(folder, f"shard{rank}.pt"))
@@ -183,11 +189,7 @@ def _reads(rank, world_size):
     """overlap_with_ddp=True leaves the all-gathers running after step(); what reads the
     model waits for them: the module's state_dict(), an evaluation forward."""
     base = build("mlp")
-    ddp = _ddp(base)
-    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
-                                          overlap_with_ddp=True)
-    plain = _ddp(base)
-    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    ddp, zero, plain, adamw = _pair(base, overlap_with_ddp=True)
     x = make_input("mlp", rank, 99)
     for step in range(3):
         for d, o in ((ddp, zero), (plain, adamw)):
