@@ -1,9 +1,13 @@
 """Sharded data parallelism: pycomm.ZeroRedundancyOptimizer.
 
-  layout.py     which elements each rank owns (flat shards of the buckets)
-  optimizer.py  the optimizer: the reducer's reduce-scatter hook, the sharded step, the
-                parameter all-gathers behind the forward
-  state.py      state dicts: consolidated, sharded, re-cut onto another world size
+  optimizer.py   the optimizer: the layout of parameters and pieces, the sharded step,
+                 the parameter all-gathers behind the forward, the clip
+  layout.py      which elements each rank owns (flat shards of the buckets)
+  hook.py        the DDP communication hook: a bucket reduce-scattered, the rank's shard
+                 kept, the bucket freed
+  checkpoint.py  the state dicts: consolidated, sharded, loaded onto any layout
+  state.py       per-piece state against whole parameters' (pure functions)
+  gathers.py     when the all-gathers ran and what the forward waited for
 """
 
 from .optimizer import ELEMENTWISE, ZeroRedundancyOptimizer

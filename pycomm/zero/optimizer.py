@@ -12,7 +12,7 @@ collectives only sum, with DDP's numerics):
   reduce-scatter is Gloo's (one all-reduce per rank: a plain Gloo group, and the hierarchy
   across hosts, which hands reduce-scatters to its flat Gloo part), the bucket is
   all-reduced instead (the same bytes as DDP; hierarchically across hosts). The hook
-  keeps the rank's range and the tail (_HookState.grads) and frees the bucket's storage;
+  keeps the rank's range and the tail (hook.py's HookState.grads) and frees the bucket's storage;
   the reducer drops each param.grad once copied (Note [Released gradients] in
   csrc/reducer/launch.cpp). Before the DDP's one bucket re-cut, whole buckets are
   all-reduced instead (Note [The first step's buckets]).
@@ -55,9 +55,10 @@ from torch.optim import Optimizer
 
 from .. import _C, registry, shm
 from . import layout as shard_layout
+from .checkpoint import ShardedStateDicts
 from .gathers import GatherLog
+from .hook import HookState, reduce_scatter_hook
 from .layout import BucketShard, Piece
-from .state import SHARD_FORMAT, cut_state, shard_runs, whole_states
 
 # Optimizers whose update of an element reads only that element's gradient and state, and
 # so step flat pieces exactly as whole tensors (See Note [Flat shards of a bucket]).
@@ -67,14 +68,10 @@ ELEMENTWISE = tuple(getattr(torch.optim, name) for name in (
 
 _STANDALONE_BUCKET_BYTES = 25 * 1024 * 1024
 # torch 2.13 renamed the tensor forms (the old names warn); torch 2.11 has only the old ones.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# The state entry holding a low-precision parameter's fp32 main copy in state dicts (a
-# plain optimizer loading a consolidated dict keeps it and never reads it).
-MAIN_KEY = "pycomm_main_param"
 _WIDENED = (torch.float16, torch.bfloat16)
 
-class ZeroRedundancyOptimizer(Optimizer, Joinable):
+class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     """torch.distributed.optim.ZeroRedundancyOptimizer's constructor and API, with flat
     shards, reduce-scattered gradients and all-gathered parameters on a pycomm DDP (See
     Note [Sharding on the reducer])."""
@@ -265,8 +262,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # no_sync's fp32 sums between steps (grad_reduce_dtype, Note [main_grad
         # accumulation]): then param.grad is the reduced bucket, as without sharding
         release = ddp.config.grad_reduce_dtype is None
-        self._hook_state = _HookState(self, reduce_scatter, release)
-        ddp._register_sharding_hook(self._hook_state, _reduce_scatter_hook)
+        self._hook_state = HookState(self, reduce_scatter, release)
+        ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook)
         ddp.reducer.set_release_gradients(release)
         self._hook_handles = []
         self._map_modules()
@@ -339,7 +336,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
         Note [The first step's buckets]
         The reducer re-cuts its buckets once, from the gradient order of the first
-        synchronized step. Until then (_HookState.final False) the hook all-reduces whole
+        synchronized step. Until then (HookState.final False) the hook all-reduces whole
         buckets and keeps them; the first step (or the clip before it) does the re-cut
         itself, before the optimizer holds any state, cuts the shards anew and reads the
         first gradients out of the whole buckets. So the state never moves between ranks
@@ -506,162 +503,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             torch._foreach_mul_(scaled, coef.to(scaled[0].dtype))
         return total
 
-    # ---- state -------------------------------------------------------------------------
-
-    def _my_runs(self, include_tail: bool = True) -> list[tuple[Piece, dict]]:
-        out = []
-        for shard, piece, main in self._pieces:
-            if not include_tail and shard.owner(piece.flat) < 0:
-                continue
-            state = dict(self.optim.state.get(main, {}))
-            if main.dtype != self._params[piece.param].dtype:
-                state[MAIN_KEY] = main  # the fp32 main parameter: no copy of it elsewhere
-            if state:
-                out.append((piece, state))
-        return out
-
-    def _whole_states(self, to: Optional[int] = None) -> Optional[dict[int, dict]]:
-        """Every parameter's whole state (See Note [Piece state]), on every rank or on
-        group rank `to` only. Collective."""
-        mine = [((p.param, p.lo, p.hi, p.flat), s) for p, s in self._my_runs()]
-        shapes = [p.shape for p in self._params]
-        if to is None:
-            everyone: list = [None] * self.world_size
-            dist.all_gather_object(everyone, mine, group=self._comm_group)
-        else:
-            everyone = [None] * self.world_size if self.rank == to else None
-            dist.gather_object(mine, everyone, dst=dist.get_global_rank(self._comm_group, to),
-                               group=self._comm_group)
-            if self.rank != to:
-                return None
-        runs = [(Piece(*p), s) for rank_runs in everyone for p, s in rank_runs]
-        return whole_states(runs, shapes)
-
-    def _load_whole(self, whole: dict[int, dict]) -> None:
-        inner = self.optim.state_dict()
-        index = {}
-        k = 0
-        for group in self.optim.param_groups:
-            for t in group["params"]:
-                index[id(t)] = k
-                k += 1
-        state = {}
-        for _, piece, main in self._pieces:
-            if piece.param in whole:
-                cut = cut_state(whole[piece.param], piece, self._params[piece.param].shape)
-                saved_main = cut.pop(MAIN_KEY, None)
-                if saved_main is not None and main.dtype != self._params[piece.param].dtype:
-                    main.copy_(saved_main)
-                if cut:
-                    state[index[id(main)]] = cut
-        inner["state"] = state
-        self.optim.load_state_dict(inner)
-
-    def _number(self) -> dict[int, int]:
-        """Reducer index -> torch's state-dict number (order in param_groups)."""
-        number, k = {}, 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) in self._index:  # not a frozen parameter outside the DDP
-                    number[self._index[id(p)]] = k
-                k += 1
-        return number
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        """Gather the whole optimizer state on group rank `to`; its state_dict() then
-        returns what optimizer_class's own state_dict() would. Collective."""
-        self._follow_buckets()
-        whole = self._whole_states(to)
-        self._consolidated = None
-        if whole is None:
-            return
-        number = self._number()
-        groups, k = [], 0
-        for group in self.param_groups:
-            g = {key: v for key, v in group.items() if key != "params"}
-            g["params"] = list(range(k, k + len(group["params"])))
-            k += len(group["params"])
-            groups.append(g)
-        self._consolidated = {"state": {number[i]: s for i, s in sorted(whole.items())},
-                              "param_groups": groups}
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's: the consolidated state dict, on the rank consolidate_state_dict sent it
-        to; call that first, on every rank."""
-        consolidated = getattr(self, "_consolidated", None)
-        if consolidated is None:
-            raise RuntimeError(
-                f"ZeroRedundancyOptimizer (rank {self.global_rank}): call "
-                f"consolidate_state_dict(to=...) on every rank first; only the rank it names "
-                f"gets the state dict (or save sharded_state_dict() on every rank)")
-        return consolidated
-
-    def sharded_state_dict(self) -> dict[str, Any]:
-        """This rank's own pieces (its range and the tail) and their state: what each rank
-        saves for a sharded checkpoint. load_state_dict takes it back on the same world
-        size, or every rank's list of them on any world size."""
-        self._follow_buckets()
-        runs = self._my_runs()
-        return {"format": SHARD_FORMAT, "world_size": self.world_size, "rank": self.rank,
-                "signature": self._signature,
-                "pieces": [(p.param, p.lo, p.hi, p.flat) for p, _ in runs],
-                "state": [{k: v.clone() if isinstance(v, torch.Tensor) else v
-                           for k, v in s.items()} for _, s in runs],
-                "param_groups": [{k: v for k, v in g.items() if k != "params"}
-                                 for g in self.param_groups]}
-
-    def load_state_dict(self, state_dict: Any) -> None:
-        """A consolidated state dict (a plain optimizer_class's, from any world size), this
-        rank's own sharded_state_dict() (same world size; collective when the buckets
-        differ from the saving run's), or the list of every rank's sharded_state_dict()
-        (any world size)."""
-        self.wait_for_params()
-        shapes = [p.shape for p in self._params]
-        if isinstance(state_dict, list):
-            runs = [r for shard in state_dict for r in shard_runs(shard)]
-            groups = state_dict[0]["param_groups"] if state_dict else []
-            whole = whole_states(runs, shapes)
-        elif isinstance(state_dict, dict) and "format" in state_dict:
-            runs, groups = self._own_shard_runs(state_dict)
-            whole = whole_states(runs, shapes)
-        else:
-            number = self._number()
-            saved = state_dict["state"]
-            groups = state_dict["param_groups"]
-            if len(groups) != len(self.param_groups):
-                raise ValueError(f"loaded state dict has {len(groups)} parameter groups, "
-                                 f"the optimizer {len(self.param_groups)}")
-            whole = {i: saved[n] for i, n in number.items() if n in saved}
-        for group, saved in zip(self.param_groups, groups):
-            group.update({k: v for k, v in saved.items() if k != "params"})
-        self._holds_state = True
-        self._relayout(whole)
-
-    def _own_shard_runs(self, shard: dict) -> tuple[list, list]:
-        """load_state_dict of a rank's own sharded dict: every rank checks every rank's
-        (one all-gather of what each passed, so that a bad one fails them all, naming it,
-        rather than leaving the others in a collective); saved on other buckets (before
-        the DDP's re-cut, say), the ranks exchange their shards. Collective."""
-        mine = (shard.get("format") == SHARD_FORMAT, shard.get("world_size"), shard.get("rank"),
-                tuple(map(tuple, shard.get("signature", ()))))
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self._comm_group)
-        wrong = [f"rank {r} passed " + (f"the shard of rank {k} of {w}" if ok else
-                                        "something that is not a sharded state dict")
-                 for r, (ok, w, k, _) in enumerate(everyone)
-                 if not ok or (w, k) != (self.world_size, r)]
-        if wrong:
-            raise ValueError(
-                f"ZeroRedundancyOptimizer (rank {self.rank} of {self.world_size}): "
-                f"{'; '.join(wrong)}. Load each rank's own shard on the same world size, or "
-                f"pass the list of every rank's shards (any world size)")
-        runs = shard_runs(shard)
-        if any(sig != self._signature for *_, sig in everyone):
-            shards: list = [None] * self.world_size
-            dist.all_gather_object(shards, shard, group=self._comm_group)
-            runs = [r for other in shards for r in shard_runs(other)]
-        return runs, shard["param_groups"]
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "optim", None) is not None:
             raise RuntimeError(
@@ -707,115 +548,6 @@ class _ZeroJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         self.zero.step()
-
-
-class _HookState:
-    """What the communication hook needs, and what it keeps: per bucket index, the
-    averaged gradients of this rank's range and of the tail, back to back (the optimizer's
-    gradients; reused from step to step while the bucket keeps its size), and before the
-    DDP's re-cut, per parameter, its whole averaged gradient."""
-
-    def __init__(self, zero: ZeroRedundancyOptimizer, reduce_scatter: bool, release: bool):
-        self.reduce_scatter = reduce_scatter
-        self.release = release  # free the bucket's storage once its shard is kept
-        self.world = zero.world_size
-        self.rank = zero.rank
-        self.group = zero._comm_group
-        self.index = dict(zero._index)  # id(parameter) -> reducer index
-        self.grads: dict[int, torch.Tensor] = {}
-        self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
-        # See Note [The first step's buckets]: False while a re-cut is still to come (the
-        # DDP records its first step: not with find_unused_parameters alone); until then
-        # whole buckets are all-reduced and each parameter's gradient kept in `first`
-        ddp = zero._ddp
-        self.final = ddp.config.find_unused_parameters and not ddp.config.static_graph
-        self.first: dict[int, torch.Tensor] = {}
-
-    def clear(self) -> None:
-        """The optimizer's zero_grad: nothing reduced since."""
-        self.fresh.clear()
-        self.first.clear()
-
-
-def _raise_failure(future: torch.futures.Future) -> None:
-    """Raise a failed collective's error (each of collect_all's): the bucket's future then
-    fails with it and the reducer reports the bucket; nothing is kept or freed."""
-    value = future.value()
-    if isinstance(value, list):
-        for part in value:
-            if isinstance(part, torch.futures.Future):
-                part.value()
-
-
-def _free(buf: torch.Tensor) -> None:
-    """Free a bucket's storage (See Note [Released gradients] in
-    csrc/reducer/launch.cpp); on CUDA not before this stream's work on it is done."""
-    if buf.is_cuda:
-        buf.record_stream(torch.cuda.current_stream(buf.device))
-    buf.untyped_storage().resize_(0)
-
-
-def _reduce_scatter_hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future:
-    """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer]):
-    the reducer pre-divided the gradients (pre_divided), so the collectives sum them into
-    the averages; the rank keeps its range and the tail (added to what it kept since
-    zero_grad, as param.grad accumulates over several synchronized backwards)."""
-    buf = bucket.buffer()
-    world, rank, group = state.world, state.rank, state.group
-    s = buf.numel() // world
-    index = bucket.index()
-    if not state.final:  # See Note [The first step's buckets]
-        members = [(state.index[id(p)], p.numel()) for p in bucket.parameters()]
-
-        def keep_whole(fut):
-            _raise_failure(fut)
-            at = 0
-            for i, n in members:
-                run = buf[at:at + n]
-                at += n
-                if i in state.first:
-                    state.first[i] += run
-                else:
-                    state.first[i] = run.clone()
-            if state.release:
-                _free(buf)
-            return buf
-
-        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
-    futures = []
-    if state.reduce_scatter:
-        if s:
-            futures.append(_reduce_scatter(
-                buf[rank * s:(rank + 1) * s], buf[:world * s], group=group,
-                async_op=True).get_future())
-        if buf.numel() > world * s:
-            futures.append(dist.all_reduce(buf[world * s:], group=group,
-                                           async_op=True).get_future())
-    elif buf.numel():
-        futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
-    kept = state.grads
-
-    def keep(fut):
-        if fut is not None:
-            _raise_failure(fut)
-        mine = buf.numel() - (world - 1) * s  # the range and the tail
-        out = kept.get(index)
-        add = index in state.fresh and out is not None and out.numel() == mine
-        if out is None or out.numel() != mine or out.dtype != buf.dtype:
-            out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
-        for dst, src in ((out[:s], buf[rank * s:(rank + 1) * s]), (out[s:], buf[world * s:])):
-            dst.add_(src) if add else dst.copy_(src)
-        state.fresh.add(index)
-        if state.release:
-            _free(buf)
-        return buf
-
-    if not futures:  # an empty bucket
-        done = torch.futures.Future()
-        done.set_result(keep(None))
-        return done
-    done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
-    return done.then(keep)
 
 
 __all__ = ["ZeroRedundancyOptimizer"]

@@ -21,6 +21,9 @@ import torch
 from .layout import Piece
 
 SHARD_FORMAT = "pycomm.ZeroRedundancyOptimizer shard v1"
+# The state entry holding a low-precision parameter's fp32 main copy in state dicts (a
+# plain optimizer loading a consolidated dict keeps it and never reads it).
+MAIN_KEY = "pycomm_main_param"
 # The state entries of torch's elementwise optimizers that are one number per parameter
 # (a count, a learning-rate product), whatever their shape: for a 0-dim parameter, a
 # tensor of the parameter's shape is no sign of a per-element entry.

@@ -1,0 +1,124 @@
+"""The communication hook a pycomm.ZeroRedundancyOptimizer registers on its DDP: how a
+bucket is reduced when the optimizer is sharded (See Note [Sharding on the reducer] in
+optimizer.py), and what the hook keeps for the step (HookState)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor form (the old name warns); torch 2.11 has only the old one.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class HookState:
+    """What the communication hook needs, and what it keeps: per bucket index, the
+    averaged gradients of this rank's range and of the tail, back to back (the optimizer's
+    gradients; reused from step to step while the bucket keeps its size), and before the
+    DDP's re-cut, per parameter, its whole averaged gradient."""
+
+    def __init__(self, zero: Any, reduce_scatter: bool, release: bool):
+        self.reduce_scatter = reduce_scatter
+        self.release = release  # free the bucket's storage once its shard is kept
+        self.world = zero.world_size
+        self.rank = zero.rank
+        self.group = zero._comm_group
+        self.index = dict(zero._index)  # id(parameter) -> reducer index
+        self.grads: dict[int, torch.Tensor] = {}
+        self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
+        # See Note [The first step's buckets] in optimizer.py: False while a re-cut is
+        # still to come (the DDP records its first step: not with find_unused_parameters
+        # alone); until then whole buckets are all-reduced and each parameter's gradient
+        # kept in `first`
+        ddp = zero._ddp
+        self.final = ddp.config.find_unused_parameters and not ddp.config.static_graph
+        self.first: dict[int, torch.Tensor] = {}
+
+    def clear(self) -> None:
+        """The optimizer's zero_grad: nothing reduced since."""
+        self.fresh.clear()
+        self.first.clear()
+
+
+def _raise_failure(future: torch.futures.Future) -> None:
+    """Raise a failed collective's error (each of collect_all's): the bucket's future then
+    fails with it and the reducer reports the bucket; nothing is kept or freed."""
+    value = future.value()
+    if isinstance(value, list):
+        for part in value:
+            if isinstance(part, torch.futures.Future):
+                part.value()
+
+
+def _free(buf: torch.Tensor) -> None:
+    """Free a bucket's storage (See Note [Released gradients] in
+    csrc/reducer/launch.cpp); on CUDA not before this stream's work on it is done."""
+    if buf.is_cuda:
+        buf.record_stream(torch.cuda.current_stream(buf.device))
+    buf.untyped_storage().resize_(0)
+
+
+def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+    """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer] in
+    optimizer.py):
+    the reducer pre-divided the gradients (pre_divided), so the collectives sum them into
+    the averages; the rank keeps its range and the tail (added to what it kept since
+    zero_grad, as param.grad accumulates over several synchronized backwards)."""
+    buf = bucket.buffer()
+    world, rank, group = state.world, state.rank, state.group
+    s = buf.numel() // world
+    index = bucket.index()
+    if not state.final:  # See Note [The first step's buckets] in optimizer.py
+        members = [(state.index[id(p)], p.numel()) for p in bucket.parameters()]
+
+        def keep_whole(fut):
+            _raise_failure(fut)
+            at = 0
+            for i, n in members:
+                run = buf[at:at + n]
+                at += n
+                if i in state.first:
+                    state.first[i] += run
+                else:
+                    state.first[i] = run.clone()
+            if state.release:
+                _free(buf)
+            return buf
+
+        return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
+    futures = []
+    if state.reduce_scatter:
+        if s:
+            futures.append(_reduce_scatter(
+                buf[rank * s:(rank + 1) * s], buf[:world * s], group=group,
+                async_op=True).get_future())
+        if buf.numel() > world * s:
+            futures.append(dist.all_reduce(buf[world * s:], group=group,
+                                           async_op=True).get_future())
+    elif buf.numel():
+        futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
+    kept = state.grads
+
+    def keep(fut):
+        if fut is not None:
+            _raise_failure(fut)
+        mine = buf.numel() - (world - 1) * s  # the range and the tail
+        out = kept.get(index)
+        add = index in state.fresh and out is not None and out.numel() == mine
+        if out is None or out.numel() != mine or out.dtype != buf.dtype:
+            out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
+        for dst, src in ((out[:s], buf[rank * s:(rank + 1) * s]), (out[s:], buf[world * s:])):
+            dst.add_(src) if add else dst.copy_(src)
+        state.fresh.add(index)
+        if state.release:
+            _free(buf)
+        return buf
+
+    if not futures:  # an empty bucket
+        done = torch.futures.Future()
+        done.set_result(keep(None))
+        return done
+    done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+    return done.then(keep)
