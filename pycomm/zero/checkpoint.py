@@ -16,11 +16,10 @@ from .state import MAIN_KEY, SHARD_FORMAT, cut_state, shard_runs, whole_states
 
 class ShardedStateDicts:
 
-    def _my_runs(self, include_tail: bool = True) -> list[tuple[Piece, dict]]:
+    def _my_runs(self) -> list[tuple[Piece, dict]]:
+        """This rank's pieces (its range and the tail) with their state."""
         out = []
-        for shard, piece, main in self._pieces:
-            if not include_tail and shard.owner(piece.flat) < 0:
-                continue
+        for _, piece, main in self._pieces:
             state = dict(self.optim.state.get(main, {}))
             if main.dtype != self._params[piece.param].dtype:
                 state[MAIN_KEY] = main  # the fp32 main parameter: no copy of it elsewhere

@@ -11,7 +11,7 @@ import dataclasses
 import statistics
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 
 @dataclasses.dataclass
@@ -56,8 +56,10 @@ class GatherLog:
         if self._steps:
             self._steps[-1].waits.append((bucket, start_ns, time.perf_counter_ns()))
 
-    def complete_steps(self, n: int) -> list[StepGathers]:
-        return [s for s in self._steps if s.complete()][-n:]
+    def complete_steps(self, n: Optional[int] = None) -> list[StepGathers]:
+        """The last `n` steps whose all-gathers all completed (all of them: None)."""
+        done = [s for s in self._steps if s.complete()]
+        return done if n is None else done[-n:]
 
     def report(self, n: int) -> dict[str, float]:
         """Over the last `n` complete steps: medians of the all-gathers' span (first launch
@@ -80,7 +82,7 @@ def attach(timelines: list[Mapping[str, Any]], log: GatherLog) -> list[dict]:
     after the previous one's ("param_gathers", "param_waits": the keys pycomm.overlap's
     Chrome trace draws)."""
     out, previous = [], -1
-    steps = log.complete_steps(len(log._steps))
+    steps = log.complete_steps()
     for raw in timelines:
         start = raw["backward_start_ns"]
         before = [r for r in steps if previous < min(r.launched.values()) < start]

@@ -25,7 +25,7 @@ class HookState:
         self.world = zero.world_size
         self.rank = zero.rank
         self.group = zero._comm_group
-        self.index = dict(zero._index)  # id(parameter) -> reducer index
+        self.index = zero._index  # id(parameter) -> reducer index (the optimizer's)
         self.grads: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
         # See Note [The first step's buckets] in optimizer.py: False while a re-cut is
