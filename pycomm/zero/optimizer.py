@@ -254,10 +254,13 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     # ---- the DDP side -----------------------------------------------------------------
 
     def _attach(self, ddp) -> None:
-        # shared memory on one host; across hosts the hierarchy's reduce-scatter is flat
-        # Gloo's (an all-reduce per rank), its all-reduce the hierarchical one
-        reduce_scatter = (dist.get_backend(self._comm_group) == "pycomm"
-                          and shm.hierarchy(self._comm_group) is None)
+        # Reduce-scatter where the backend has a real one: NCCL's, and shared memory on
+        # one host. Gloo's is an all-reduce per rank, so on Gloo, and across hosts (where
+        # the hierarchy's reduce-scatter is flat Gloo's and its all-reduce hierarchical),
+        # the bucket is all-reduced and the rank keeps its range.
+        backend = dist.get_backend(self._comm_group)
+        reduce_scatter = backend == "nccl" or (backend == "pycomm"
+                                               and shm.hierarchy(self._comm_group) is None)
         # the buckets' storage is freed once the hook kept the shard, unless it holds
         # no_sync's fp32 sums between steps (grad_reduce_dtype, Note [main_grad
         # accumulation]): then param.grad is the reduced bucket, as without sharding
