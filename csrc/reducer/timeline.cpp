@@ -3,6 +3,7 @@
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace pycomm::reducer {
@@ -39,6 +40,10 @@ void resolve_device_stamps(StepTimeline& step) {
   for (auto& bucket : step.buckets) {
     if (bucket.ready_stamp >= 0) bucket.ready_ns = ns.at(bucket.ready_stamp);
     if (bucket.done_stamp >= 0) bucket.done_ns = ns.at(bucket.done_stamp);
+    if (bucket.ready_stamp >= 0) {  // See Note [Timeline]: launch and done on the device
+      bucket.launch_ns = std::max(bucket.launch_ns, bucket.ready_ns);
+      bucket.done_ns = std::max(bucket.done_ns, bucket.launch_ns);
+    }
   }
   step.device.reset();
 }

@@ -28,7 +28,11 @@ namespace pycomm::reducer {
 // On an accelerator a host read at hook time says when work was enqueued, not when it ran,
 // so bucket ready and done are also stamped with device events (DeviceStamps) on the
 // current stream, without any sync; they are converted to steady_clock ns only when the
-// timeline is read (timelines()), against an anchor event synchronized then.
+// timeline is read (timelines()), against an anchor event synchronized then. The launch
+// stays a host stamp, and the host enqueues a bucket's collective before the device has
+// produced its last gradient: the collective cannot start on the device before either, so
+// its device launch is the later of the two (and its done no earlier than that, against
+// the microseconds the anchor's conversion may be off).
 inline int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
