@@ -139,8 +139,12 @@ def _count_wrong(shapes, dtype, device, rel: float) -> int:
     max_norm = rel * norm.item()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     total = pycomm_clip.clip_grad_norm_([_holder(g) for g in grads], max_norm)
-    # fp32 accumulation over ~1e8 elements and one rounding of each clipped element.
-    tol = dict(rtol=1e-5, atol=0.0)
+    # fp32 accumulation over ~1e8 elements, and one rounding of each clipped element and
+    # of the total (returned in the gradients' dtype, as torch's) to that dtype: half an
+    # ulp, i.e. eps/2 relative, for bf16 and fp16, and half the subnormals' spacing
+    # absolute (fp16's clipped ~1e-3 gradients reach its subnormals).
+    info = torch.finfo(dtype)
+    tol = dict(rtol=max(1e-5, info.eps), atol=info.smallest_normal * info.eps)
     wrong = sum(not torch.allclose(g.double(), e * coef, **tol) for g, e in zip(grads, exact))
     return wrong + (not torch.allclose(total.double(), norm, **tol))
 

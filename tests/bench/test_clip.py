@@ -43,3 +43,12 @@ def test_the_methods_take_turns_going_first():
                     ["torch-foreach", "torch-loop", "pycomm"],
                     ["torch-loop", "pycomm", "torch-foreach"],
                     ["pycomm", "torch-foreach", "torch-loop"]]
+
+
+def test_wrong_counts_allow_one_rounding_to_the_gradient_dtype():
+    """#wrong compares with exact fp64: a 16-bit clipped gradient and total are rounded
+    once to their dtype (fp16's reach its subnormals), and nothing else is allowed."""
+    shapes = [(4096,)] * 20 + [(100000,)]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rel in (0.5, 1e9):  # clipping active, inactive
+            assert clip._count_wrong(shapes, dtype, "cpu", rel) == 0, (dtype, rel)
