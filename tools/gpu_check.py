@@ -40,6 +40,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+BUILD = REPO / "build"  # setup.py's intermediate files, removed before another compiler
 STEPS = ("build", "tests", "bench")
 
 # What each step runs; {py} is this interpreter, {cores} this machine's cores.
@@ -123,19 +124,71 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
+# The build's smoke check: the CUDA kernels are in, and a C++ error whose message formats a
+# number reaches Python as an exception. Built by the GPU image's own CXX (/opt/gcc, whose
+# libstdc++ is partly linked statically), pycomm._C carried its own copy of the stream
+# inserter for doubles, which then read the locale of the system libstdc++ the process
+# loads: every such error killed the process (SIGSEGV in read_utf8_code_point, seen on
+# 2026-11-26; Note [The compiler that builds the GPU check]).
+SMOKE = """import torch, pycomm
+print('pycomm._C.cuda', pycomm._C.cuda)
+assert pycomm._C.cuda, 'pycomm._C was built without its CUDA kernels'
+p = torch.nn.Parameter(torch.zeros(2))
+p.grad = torch.tensor([1.0, float('inf')])
+try:
+    pycomm.clip_grad_norm_([p], 1.0, error_if_nonfinite=True)
+except RuntimeError as e:
+    assert 'non-finite' in str(e), e
+else:
+    raise SystemExit('error_if_nonfinite raised nothing')
+print('smoke check passed')
+"""
+
+
+def compilers(run_env: dict) -> list[str]:
+    """The C++ compilers to build with, in order: the environment's CXX, then the c++ and
+    g++ on PATH (distinct files only)."""
+    found, seen = [], set()
+    for name in (run_env.get("CXX"), "c++", "g++"):
+        path = shutil.which(name) if name else None
+        if path and os.path.realpath(path) not in seen:
+            seen.add(os.path.realpath(path))
+            found.append(path)
+    return found
+
+
 def step_build(env: dict, logs: Path, run_env: dict) -> dict:
+    """Build, then the smoke check; where the smoke check crashes the process (a signal,
+    not an exception), rebuild from scratch with the next compiler.
+
+    Note [The compiler that builds the GPU check]
+    A compiler whose C++ runtime differs from the one the interpreter loads can build an
+    extension that imports and runs its kernels, and still dies on the first error message
+    it formats: the build is only good once an error has crossed into Python. So each
+    compiler is tried in turn (compilers()) until the smoke check passes or fails as an
+    ordinary error, and the record says which compiler built the extension that was tested.
+    """
     build_env = dict(run_env, PYCOMM_CUDA="1", MAX_JOBS=str(env["cpus"] or 4),
                      TORCH_CUDA_ARCH_LIST=run_env.get("TORCH_CUDA_ARCH_LIST",
                                                       env["capability"]))
-    rc, secs, _ = _run([sys.executable, "setup.py", "build_ext", "--inplace"],
-                       logs / "build.log", build_env, TIMEOUT_S["build"])
-    if rc == 0:
-        rc, more, out = _run([sys.executable, "-c", "import pycomm; print('pycomm._C.cuda', "
-                              "pycomm._C.cuda); assert pycomm._C.cuda"],
-                             logs / "build.log", run_env, 120)
+    attempts, secs, rc = [], 0.0, 1
+    for i, cxx in enumerate(compilers(run_env) or [None]):
+        if i:
+            shutil.rmtree(BUILD, ignore_errors=True)
+        cenv = dict(build_env, **({"CXX": cxx} if cxx else {}))
+        rc, more, _ = _run([sys.executable, "setup.py", "build_ext", "--inplace"],
+                           logs / "build.log", cenv, TIMEOUT_S["build"])
         secs += more
-    return {"ok": rc == 0, "seconds": round(secs, 1),
-            "arch": build_env["TORCH_CUDA_ARCH_LIST"]}
+        attempt = {"cxx": cxx, "build_rc": rc}
+        if rc == 0:
+            rc, more, _ = _run([sys.executable, "-c", SMOKE], logs / "build.log", run_env, 120)
+            secs += more
+            attempt["smoke_rc"] = rc
+        attempts.append(attempt)
+        if rc >= 0:  # built and checked, or an ordinary failure: another compiler won't help
+            break
+    return {"ok": rc == 0, "seconds": round(secs, 1), "arch": build_env["TORCH_CUDA_ARCH_LIST"],
+            "cxx": attempts[-1]["cxx"], "attempts": attempts}
 
 
 def _pytest_counts(out: str) -> dict:
@@ -146,15 +199,49 @@ def _pytest_counts(out: str) -> dict:
     return counts
 
 
+def crashed_test(out: str) -> str | None:
+    """The test function a crashed pytest was in, from faulthandler's stack (innermost
+    test_ frame of the main thread), or None."""
+    stack = out.split("Fatal Python error", 1)[1] if "Fatal Python error" in out else ""
+    names = re.findall(r'File "[^"]*/tests/[^"]*", line \d+ in (test_\w+)', stack)
+    return names[0] if names else None
+
+
+def _without(argv: list[str], tests: list[str]) -> list[str]:
+    """argv with `tests` (function names) deselected through -k."""
+    if not tests:
+        return argv
+    expr = " and ".join(f"not {t}" for t in tests)
+    if "-k" in argv:
+        i = argv.index("-k") + 1
+        return argv[:i] + [f"({argv[i]}) and {expr}"] + argv[i + 1:]
+    return argv[:-1] + ["-k", expr, argv[-1]]
+
+
 def step_tests(env: dict, logs: Path, run_env: dict) -> dict:
+    """Each pytest command; where one crashes the process (a signal), the test it crashed in
+    is recorded and the command run again without it (twice at most), so that one crash
+    does not hide the tests after it."""
     result = {"ok": True, "seconds": 0.0, "runs": []}
     for argv in TESTS:
         argv = [a.format(py=sys.executable) for a in argv]
-        rc, secs, out = _run(argv, logs / "tests.log", dict(run_env, PYCOMM_REQUIRE_CUDA="1"),
-                             TIMEOUT_S["tests"])
-        result["runs"].append({"command": " ".join(argv[1:]), "rc": rc, **_pytest_counts(out)})
-        result["ok"] &= rc == 0
-        result["seconds"] = round(result["seconds"] + secs, 1)
+        crashed: list[str] = []
+        while True:
+            run_argv = _without(argv, crashed)
+            rc, secs, out = _run(run_argv, logs / "tests.log",
+                                 dict(run_env, PYCOMM_REQUIRE_CUDA="1"), TIMEOUT_S["tests"])
+            result["seconds"] = round(result["seconds"] + secs, 1)
+            test = crashed_test(out) if rc < 0 else None
+            if test is None or test in crashed or len(crashed) == 2:
+                break
+            crashed.append(test)
+        counts = _pytest_counts(out)
+        counts["failures"] += [f"{t} (crashed the process)" for t in crashed]
+        if rc < 0:
+            counts["failures"].append(f"{test or 'a test'} crashed the process (signal {-rc}); "
+                                      "the tests after it did not run")
+        result["runs"].append({"command": " ".join(run_argv[1:]), "rc": rc, **counts})
+        result["ok"] &= rc == 0 and not crashed
     return result
 
 
@@ -185,6 +272,10 @@ def markdown(record: dict) -> str:
     for name, step in record["steps"].items():
         lines += ["", f"## {name}: {'passed' if step['ok'] else 'FAILED'} "
                       f"({step['seconds']} s)", ""]
+        for attempt in step.get("attempts", []):
+            lines.append(f"- CXX `{attempt['cxx']}`: build exit {attempt['build_rc']}"
+                         + (f", smoke check exit {attempt['smoke_rc']}"
+                            if "smoke_rc" in attempt else ""))
         for run in step.get("runs", []):
             if name == "tests":
                 lines.append(f"- `{run['command']}`: exit {run['rc']}, " + ", ".join(

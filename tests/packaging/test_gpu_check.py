@@ -71,3 +71,59 @@ def test_record_markdown_names_the_device_the_steps_and_the_failures():
     assert md.startswith("# GPU check, 2026-11-25: NVIDIA H100")
     assert "| nccl | 2.27.7 |" in md and "## tests: FAILED (9.1 s)" in md
     assert "  - tests/gpu/test_x.py::test_a" in md and "# a table" in md
+
+
+def test_a_build_whose_errors_crash_is_rebuilt_with_the_next_compiler(tmp_path, monkeypatch):
+    """Note [The compiler that builds the GPU check]: the first compiler's extension dies
+    in the smoke check (a signal), so the build dir goes and the next compiler builds; an
+    ordinary failure stops there."""
+    tool = _tool()
+    calls = []
+
+    def fake_run(argv, log, env, timeout):
+        smoke = argv[1] == "-c"
+        cxx = calls[-1][0] if smoke else env.get("CXX")  # the smoke check runs what was built
+        calls.append((cxx, "smoke" if smoke else "build"))
+        return (-11 if smoke and cxx == "/opt/gcc/bin/g++" else 0), 1.0, ""
+
+    (tmp_path / "build").mkdir()
+    monkeypatch.setattr(tool, "_run", fake_run)
+    monkeypatch.setattr(tool, "BUILD", tmp_path / "build")
+    monkeypatch.setattr(tool, "compilers", lambda env: ["/opt/gcc/bin/g++", "/usr/bin/g++"])
+    env = {"cpus": 2, "capability": "9.0"}
+    step = tool.step_build(env, tmp_path, {})
+    assert step["ok"] and step["cxx"] == "/usr/bin/g++"
+    assert calls == [("/opt/gcc/bin/g++", "build"), ("/opt/gcc/bin/g++", "smoke"),
+                     ("/usr/bin/g++", "build"), ("/usr/bin/g++", "smoke")]
+    assert not (tmp_path / "build").exists()
+    assert "- CXX `/opt/gcc/bin/g++`: build exit 0, smoke check exit -11" in tool.markdown(
+        {"command": "c", "environment": {"date": "2026-11-26"}, "steps": {"build": step}})
+    calls.clear()
+    monkeypatch.setattr(tool, "_run", lambda argv, log, env, timeout: (1, 1.0, ""))
+    step = tool.step_build(env, tmp_path, {})
+    assert not step["ok"] and len(step["attempts"]) == 1
+
+
+def test_a_crashed_test_is_named_and_the_run_goes_on_without_it(tmp_path, monkeypatch):
+    tool = _tool()
+    crash = ('...Fatal Python error: Segmentation fault\n\nCurrent thread 0x1 (most recent call '
+             'first):\n  File "/x/pycomm/clip.py", line 59 in clip_grad_norm_\n'
+             '  File "/x/tests/gpu/test_k.py", line 135 in test_raises\n'
+             '  File "/x/_pytest/python.py", line 167 in pytest_pyfunc_call\n')
+    assert tool.crashed_test(crash) == "test_raises"
+    assert tool.crashed_test("1 passed in 1s") is None
+    seen = []
+
+    def fake_run(argv, log, env, timeout):
+        seen.append(argv)
+        if "-k" in argv and "test_raises" in argv[argv.index("-k") + 1]:
+            return 1, 1.0, "FAILED tests/gpu/test_k.py::test_b - x\n1 failed, 9 passed in 2s"
+        return -11, 1.0, crash
+
+    monkeypatch.setattr(tool, "_run", fake_run)
+    monkeypatch.setattr(tool, "TESTS", [["{py}", "-m", "pytest", "-k", "cuda", "tests/gpu"]])
+    step = tool.step_tests({}, tmp_path, {})
+    assert len(seen) == 2 and seen[1][seen[1].index("-k") + 1] == "(cuda) and not test_raises"
+    run = step["runs"][0]
+    assert not step["ok"] and run["passed"] == 9
+    assert run["failures"] == ["tests/gpu/test_k.py::test_b", "test_raises (crashed the process)"]
