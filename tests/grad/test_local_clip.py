@@ -85,7 +85,10 @@ def _lockstep(rank, world, no_sync_every=0, hook=None, norm_type=2.0, device="cp
         if hook == "fp16_compress_hook":
             ours.module.load_state_dict(ref.module.state_dict())
     timeline = ours.timelines(1)[-1]
-    last_ready = max(b["ready_ns"] for b in timeline["buckets"])
+    # Host stamps: a device bucket's ready time is its device event, which the host's
+    # launch may precede while the device lags behind (Note [Timeline] in timeline.h); a
+    # launch after every parameter's hook is what the local clip promises.
+    last_ready = max(t for t in timeline["param_ready_ns"] if t >= 0)
     assert len(timeline["buckets"]) > 1
     assert all(b["launch_ns"] >= last_ready for b in timeline["buckets"]), \
         f"{what}: a bucket launched before backward ended"
