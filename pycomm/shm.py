@@ -166,7 +166,7 @@ def create_backend(store: dist.Store, rank: int, size: int,
     cross = _gloo(dist.PrefixStore(f"pycomm/cross{local_rank}/", store), host,
                   len(layout.hosts), timeout)
     flat = _gloo(dist.PrefixStore("pycomm/flat/", store), rank, size, timeout)
-    return _C.HierBackend(rank, size, host, len(layout.hosts), local, cross, flat)
+    return _C.HierBackend(rank, size, host, layout.hosts, local, cross, flat)
 
 
 def register() -> None:

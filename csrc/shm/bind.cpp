@@ -102,16 +102,19 @@ void bind_hier(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>(
       m, "HierBackend",
-      "c10d backend of a group over several hosts: all-reduce hierarchically (shared memory "
-      "within a host, `cross` across hosts), the rest on `flat` (see csrc/shm/hier.h)")
-      .def(py::init([](int rank, int size, int host, int hosts,
+      "c10d backend of a group over several hosts: all-reduce, reduce_scatter_tensor and "
+      "all_gather_into_tensor hierarchically (shared memory within a host, `cross` across "
+      "hosts), the rest on `flat` (see csrc/shm/hier.h). ranks[h][l]: the group rank of "
+      "host h's local rank l")
+      .def(py::init([](int rank, int size, int host, std::vector<std::vector<int>> ranks,
                        c10::intrusive_ptr<shm::ShmBackend> local,
                        c10::intrusive_ptr<c10d::Backend> cross,
                        c10::intrusive_ptr<c10d::Backend> flat) {
-             return c10::make_intrusive<shm::HierBackend>(rank, size, host, hosts, std::move(local),
-                                                          std::move(cross), std::move(flat));
+             return c10::make_intrusive<shm::HierBackend>(rank, size, host, std::move(ranks),
+                                                          std::move(local), std::move(cross),
+                                                          std::move(flat));
            }),
-           py::arg("rank"), py::arg("size"), py::arg("host"), py::arg("hosts"), py::arg("local"),
+           py::arg("rank"), py::arg("size"), py::arg("host"), py::arg("ranks"), py::arg("local"),
            py::arg("cross"), py::arg("flat"))
       .def_property_readonly("host", &shm::HierBackend::host, "this rank's host (0-based)")
       .def_property_readonly("hosts", &shm::HierBackend::hosts, "the number of hosts")

@@ -114,15 +114,33 @@ class BlockPipeline {
   const int64_t n_, L_, block_max_, blocks_;
   std::vector<Block> state_;
 };
+
+// Wait for one phase of a hierarchical operation; a failure names the operation, the
+// rank's place in the hierarchy and the phase.
+void wait_phase(const char* op, uint64_t seq, int rank, int host, int hosts,
+                const c10d::Backend& local, const char* what,
+                const c10::intrusive_ptr<c10d::Work>& w) {
+  try {
+    w->wait();
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    if (auto* c = dynamic_cast<const c10::Error*>(&e)) why = c->what_without_backtrace();
+    TORCH_CHECK_WITH(DistBackendError, false, "pycomm ", op, " #", seq, " (hierarchical) on rank ",
+                     rank, " (host ", host, " of ", hosts, ", local rank ", local.getRank(), " of ",
+                     local.getSize(), "): ", what, " failed: ", why);
+  }
+}
+
 }  // namespace
 
-HierBackend::HierBackend(int rank, int size, int host, int hosts,
+HierBackend::HierBackend(int rank, int size, int host, std::vector<std::vector<int>> ranks,
                          c10::intrusive_ptr<ShmBackend> local,
                          c10::intrusive_ptr<c10d::Backend> cross,
                          c10::intrusive_ptr<c10d::Backend> flat)
     : c10d::Backend(rank, size),
       host_(host),
-      hosts_(hosts),
+      hosts_(static_cast<int>(ranks.size())),
+      ranks_(std::move(ranks)),
       local_(std::move(local)),
       cross_(std::move(cross)),
       flat_(std::move(flat)),
@@ -133,6 +151,20 @@ HierBackend::HierBackend(int rank, int size, int host, int hosts,
                     "pycomm hierarchical group: ", hosts_, " hosts of ", local_->getSize(),
                     " ranks do not make a group of ", size, " (cross group ", cross_->getSize(),
                     ", flat group ", flat_->getSize(), ")");
+  std::vector<bool> seen(size, false);
+  for (const auto& host_ranks : ranks_) {
+    TORCH_CHECK_VALUE(static_cast<int64_t>(host_ranks.size()) == local_->getSize(),
+                      "pycomm hierarchical group: every host needs ", local_->getSize(),
+                      " ranks, one has ", host_ranks.size());
+    for (int r : host_ranks) {
+      TORCH_CHECK_VALUE(r >= 0 && r < size && !seen[r], "pycomm hierarchical group: rank ", r,
+                        " is out of range or on two hosts");
+      seen[r] = true;
+    }
+  }
+  TORCH_CHECK_VALUE(host_ >= 0 && host_ < hosts_ && ranks_[host_][local_->getRank()] == rank,
+                    "pycomm hierarchical group: rank ", rank, " is not local rank ",
+                    local_->getRank(), " of host ", host_);
 }
 
 HierBackend::~HierBackend() { lane_->shutdown(); }
@@ -141,7 +173,9 @@ c10::intrusive_ptr<c10d::Work> HierBackend::allreduce(std::vector<at::Tensor>& t
                                                       const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single("all_reduce", tensors);
   check_reduction("all_reduce", t.scalar_type(), opts.reduceOp);
-  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t}, opts.reduceOp.op_);
+  const auto reduce = opts.reduceOp.op_;
+  return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t},
+                 [this, t, reduce](uint64_t seq) { run("all_reduce", seq, t, reduce); });
 }
 
 c10::intrusive_ptr<c10d::Work> HierBackend::allreduce_coalesced(
@@ -150,23 +184,46 @@ c10::intrusive_ptr<c10d::Work> HierBackend::allreduce_coalesced(
     check_dense("all_reduce_coalesced", t);
     check_reduction("all_reduce_coalesced", t.scalar_type(), opts.reduceOp);
   }
+  const auto reduce = opts.reduceOp.op_;
   return enqueue("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
-                 opts.reduceOp.op_);
+                 [this, tensors, reduce](uint64_t seq) {
+                   for (const auto& t : tensors) run("all_reduce_coalesced", seq, t, reduce);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> HierBackend::_reduce_scatter_base(
+    at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
+  check_dense("reduce_scatter_tensor", output);
+  check_like("reduce_scatter_tensor", input, output, output.numel() * size_);
+  check_reduction("reduce_scatter_tensor", output.scalar_type(), opts.reduceOp);
+  const auto reduce = opts.reduceOp.op_;
+  return enqueue("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [this, output, input, reduce](uint64_t seq) {
+                   reduce_scatter_tensor(seq, output, input, reduce);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> HierBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
+                                                            const c10d::AllgatherOptions& opts) {
+  check_dense("all_gather_into_tensor", input);
+  check_like("all_gather_into_tensor", output, input, input.numel() * size_);
+  return enqueue("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output},
+                 [this, output, input](uint64_t seq) { all_gather_tensor(seq, output, input); });
 }
 
 c10::intrusive_ptr<c10d::Work> HierBackend::enqueue(const char* op, c10d::OpType type,
-                                                    std::vector<at::Tensor> tensors,
-                                                    c10d::ReduceOp::RedOpType reduce) {
-  auto work = c10::make_intrusive<ShmWork>(rank_, type, tensors, lane_);
+                                                    std::vector<at::Tensor> outputs,
+                                                    std::function<void(uint64_t seq)> body) {
+  auto work = c10::make_intrusive<ShmWork>(rank_, type, outputs, lane_);
   uint64_t seq = next_seq_++;
-  lane_->submit(work, [this, op, seq, tensors, reduce] {
+  lane_->submit(work, [this, op, seq, body = std::move(body)] {
     {
       std::lock_guard<std::mutex> lock(failure_mutex_);
       TORCH_CHECK_WITH(DistBackendError, failure_.empty(), "pycomm ", op, " #", seq, " on rank ",
                        rank_, ": the group is unusable after an earlier failure: ", failure_);
     }
     try {
-      for (const auto& t : tensors) run(op, seq, t, reduce);
+      body(seq);
     } catch (const std::exception& e) {
       std::string what = e.what();
       if (auto* c = dynamic_cast<const c10::Error*>(&e)) what = c->what_without_backtrace();
@@ -190,6 +247,66 @@ void HierBackend::run(const char* op, uint64_t seq, const at::Tensor& t,
       .run();
   if (average) flat.div_(size_);
   d.write_back();
+}
+
+void HierBackend::permute(const at::Tensor& group_order, const at::Tensor& chunk_order, int64_t s,
+                          bool to_chunks) const {
+  const int64_t L = local_->getSize();
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t h = 0; h < hosts_; ++h) {
+      at::Tensor chunk = chunk_order.narrow(0, (l * hosts_ + h) * s, s);
+      at::Tensor range = group_order.narrow(0, ranks_[h][l] * s, s);
+      to_chunks ? chunk.copy_(range) : range.copy_(chunk);
+    }
+  }
+}
+
+void HierBackend::reduce_scatter_tensor(uint64_t seq, const at::Tensor& output,
+                                        const at::Tensor& input, c10d::ReduceOp::RedOpType reduce) {
+  const char* op = "reduce_scatter_tensor";
+  const int64_t s = output.numel(), H = hosts_;
+  if (s == 0) return;
+  // 1. the chunk order (a copy: the output may be the rank's own range of the input)
+  at::Tensor chunks = at::empty({input.numel()}, input.options());
+  permute(input.contiguous().view({-1}), chunks, s, /*to_chunks=*/true);
+  // 2. within the host; Gloo has no AVG, so both stages sum and the last divides
+  const bool average = reduce == c10d::ReduceOp::AVG;
+  c10d::ReduceScatterOptions rs;
+  rs.reduceOp = c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce);
+  at::Tensor mine = at::empty({H * s}, input.options());
+  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the reduce-scatter within the host",
+             local_->_reduce_scatter_base(mine, chunks, rs));
+  // 3. across hosts: range h of `mine` goes to host h; this rank's range comes back from each
+  at::Tensor theirs = at::empty({H * s}, input.options());
+  std::vector<int64_t> equal;  // empty splits: equal ones
+  c10d::AllToAllOptions a2a;
+  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the all-to-all across hosts",
+             cross_->alltoall_base(theirs, mine, equal, equal, a2a));
+  Dense out(output);
+  std::vector<const void*> srcs;
+  for (int64_t h = 0; h < H; ++h) srcs.push_back(theirs.narrow(0, h * s, s).const_data_ptr());
+  reduce_buffers(output.scalar_type(), reduce, out.work.data_ptr(), srcs.data(),
+                 static_cast<int>(H), s, size_);
+  out.write_back();
+}
+
+void HierBackend::all_gather_tensor(uint64_t seq, const at::Tensor& output,
+                                    const at::Tensor& input) {
+  const char* op = "all_gather_into_tensor";
+  const int64_t s = input.numel(), H = hosts_;
+  if (s == 0) return;
+  // across hosts first: chunk l of this host, ranges of ranks[0][l], ..., ranks[H-1][l]
+  at::Tensor mine = at::empty({H * s}, input.options());
+  at::Tensor in = input.contiguous().view({-1});
+  c10d::AllgatherOptions ag;
+  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the all-gather across hosts",
+             cross_->_allgather_base(mine, in, ag));
+  at::Tensor chunks = at::empty({output.numel()}, output.options());
+  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the all-gather within the host",
+             local_->_allgather_base(chunks, mine, ag));
+  Dense out(output);
+  permute(out.work.view({-1}), chunks, s, /*to_chunks=*/false);
+  out.write_back();
 }
 
 }  // namespace pycomm::shm

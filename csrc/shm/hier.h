@@ -3,7 +3,8 @@
 // from the one store torch hands the creator:
 //   local  the ranks of this host, over shared memory (a ShmBackend)
 //   cross  the ranks of every host with this rank's local index, one per host (Gloo)
-//   flat   every rank of the group (Gloo), for the operations other than all-reduce
+//   flat   every rank of the group (Gloo), for the operations other than all-reduce and
+//          the tensor forms of reduce-scatter and all-gather
 //
 // Note [Hierarchical all-reduce]
 // H hosts of L ranks each, S bytes to all-reduce. The buffer is cut into L shards (the
@@ -37,13 +38,37 @@
 // Rank i of a host owns piece i of every block. The order of the steps depends only on
 // the tensor's size and L, so every rank of a host takes the same shared-memory rounds in
 // the same order and every cross-host group the same Gloo collectives.
+//
+// Note [Hierarchical reduce-scatter and all-gather]
+// The tensor forms (reduce_scatter_tensor, all_gather_into_tensor: what a sharded
+// optimizer runs per bucket) keep the flat group's layout, rank r's range at r x s, and
+// move across hosts only what must cross: (H-1)/H of the tensor out of each host, where
+// the flat Gloo ring sends (n-1)/n of it over each boundary link (reduce-scatter: Gloo's
+// is one all-reduce per rank). With ranks[h][l] the group rank of host h's local rank l:
+//
+//   reduce-scatter  1. copy the input into L chunks of H ranges, chunk l holding the
+//                      ranges of ranks[0][l], ..., ranks[H-1][l], in host order
+//                   2. reduce-scatter the chunks within the host (shared memory): local
+//                      rank l holds chunk l summed over its host
+//                   3. all-to-all of chunk l across hosts (Gloo, the cross group): each
+//                      rank receives its own range from every host, and adds the H of
+//                      them in host order
+//   all-gather      the same backwards: all-gather the rank's range across hosts into
+//                   chunk l, all-gather the chunks within the host, copy the ranges home.
+//
+// Bytes across hosts, both together: 2(H-1)/H x S per host, what one hierarchical
+// all-reduce sends. The copies in and out of the chunk order stay in the host's memory.
+// Sums: each element is (its host's ranks, in local rank order) then hosts in order;
+// AVG sums both stages and divides once.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "shm/backend.h"
 #include "shm/work.h"
@@ -52,8 +77,10 @@ namespace pycomm::shm {
 
 class HierBackend : public c10d::Backend {
  public:
-  HierBackend(int rank, int size, int host, int hosts, c10::intrusive_ptr<ShmBackend> local,
-              c10::intrusive_ptr<c10d::Backend> cross, c10::intrusive_ptr<c10d::Backend> flat);
+  // ranks[h][l]: the group rank of host h's local rank l (host_ is this rank's h).
+  HierBackend(int rank, int size, int host, std::vector<std::vector<int>> ranks,
+              c10::intrusive_ptr<ShmBackend> local, c10::intrusive_ptr<c10d::Backend> cross,
+              c10::intrusive_ptr<c10d::Backend> flat);
   ~HierBackend() override;
 
   const std::string getBackendName() const override { return "pycomm"; }
@@ -77,19 +104,16 @@ class HierBackend : public c10d::Backend {
                                            const c10d::AllgatherOptions& opts) override {
     return flat_->allgather(outputs, inputs, opts);
   }
+  // See Note [Hierarchical reduce-scatter and all-gather].
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
-                                                 const c10d::AllgatherOptions& opts) override {
-    return flat_->_allgather_base(output, input, opts);
-  }
+                                                 const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
                                                 std::vector<std::vector<at::Tensor>>& inputs,
                                                 const c10d::ReduceScatterOptions& opts) override {
     return flat_->reduce_scatter(outputs, inputs, opts);
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
-      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override {
-    return flat_->_reduce_scatter_base(output, input, opts);
-  }
+      at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
@@ -129,13 +153,24 @@ class HierBackend : public c10d::Backend {
   const c10::intrusive_ptr<ShmBackend>& local() const { return local_; }
 
  private:
+  // Run body(seq) on the lane, behind every operation issued before; the first failure
+  // makes the group unusable (later operations fail naming it).
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
-                                         std::vector<at::Tensor> tensors,
-                                         c10d::ReduceOp::RedOpType reduce);
+                                         std::vector<at::Tensor> outputs,
+                                         std::function<void(uint64_t seq)> body);
   // One all-reduce, the three phases of Note [Hierarchical all-reduce], on the lane.
   void run(const char* op, uint64_t seq, const at::Tensor& t, c10d::ReduceOp::RedOpType reduce);
+  // Note [Hierarchical reduce-scatter and all-gather], on the lane.
+  void reduce_scatter_tensor(uint64_t seq, const at::Tensor& output, const at::Tensor& input,
+                             c10d::ReduceOp::RedOpType reduce);
+  void all_gather_tensor(uint64_t seq, const at::Tensor& output, const at::Tensor& input);
+  // Copy between the group's layout (rank r's range at r x s) and the chunk order (local
+  // rank l's chunk holds ranks[0][l], ..., ranks[H-1][l]); `to_chunks` says which way.
+  void permute(const at::Tensor& group_order, const at::Tensor& chunk_order, int64_t s,
+               bool to_chunks) const;
 
   int host_, hosts_;
+  std::vector<std::vector<int>> ranks_;
   c10::intrusive_ptr<ShmBackend> local_;
   c10::intrusive_ptr<c10d::Backend> cross_, flat_;
   std::shared_ptr<Executor> lane_;

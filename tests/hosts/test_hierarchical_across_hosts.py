@@ -87,6 +87,47 @@ def test_hierarchical_sends_fewer_bytes_across_hosts():
     assert all(b >= flat_ring * 0.95 for b in flat), report
 
 
+def _scatter_gather(rank, world_size, hierarchical):
+    """A reduce_scatter_tensor and an all_gather_into_tensor of NUMEL elements, in place
+    as the sharded optimizer runs them, REPS + 1 times (the first warms up)."""
+    group = (pycomm.shm.hierarchical_group(dist.group.WORLD) if hierarchical
+             else dist.group.WORLD)
+    s = NUMEL // world_size
+    for _ in range(REPS + 1):
+        x = torch.arange(NUMEL, dtype=torch.float32) % 251 + rank
+        mine = x[rank * s:(rank + 1) * s]
+        dist.reduce_scatter_tensor(mine, x, group=group)
+        expected = (torch.arange(NUMEL, dtype=torch.float32) % 251) * world_size + sum(
+            range(world_size))
+        assert torch.equal(mine, expected[rank * s:(rank + 1) * s])  # small integers: exact
+        dist.all_gather_into_tensor(x, mine, group=group)
+        assert torch.equal(x, expected)
+    dist.barrier()
+
+
+def test_hierarchical_reduce_scatter_and_all_gather_send_an_all_reduce_s_bytes():
+    """Note [Hierarchical reduce-scatter and all-gather] in csrc/shm/hier.h: each crosses
+    with (H-1)/H of the tensor out of each host, so the pair sends what one hierarchical
+    all-reduce sends; flat Gloo sends (n-1)/n over each boundary for the all-gather, and
+    its reduce-scatter is one all-reduce per rank."""
+    def measure(hosts, hierarchical):
+        before = hosts.tx_bytes()
+        hosts.run(_scatter_gather, ranks_per_host=2, timeout=240, group_timeout_s=120,
+                  kwargs={"hierarchical": hierarchical})
+        return [a - b for a, b in zip(hosts.tx_bytes(), before)]
+
+    with Hosts(2) as hosts:
+        hier = measure(hosts, hierarchical=True)
+        flat = measure(hosts, hierarchical=False)
+    size, per_call = NUMEL * 4, REPS + 1
+    bound = 2 * (2 - 1) / 2 * size * per_call  # (H-1)/H x S each way, H = 2
+    report = f"per host, {per_call} pairs of {size} B: hierarchical {hier} (bound " \
+             f"{bound:.0f} + 5%), flat {flat}"
+    print(report)
+    assert all(b <= bound * 1.05 for b in hier), report
+    assert all(b >= 2 * bound for b in flat), report  # 2.25x measured at 2 x 2
+
+
 def _ddp_hierarchical(rank, world_size, steps=3):
     base = build("mlp")
     ref = TorchDDP(copy.deepcopy(base))

@@ -153,3 +153,68 @@ def _ddp_hierarchical(rank, world, hierarchical):
 @pytest.mark.parametrize("hierarchical", [True, False])
 def test_ddp_uses_the_hierarchy(hierarchical):
     run_ranks(_ddp_hierarchical, world_size=4, hierarchical=hierarchical)
+
+
+def _rs_ag(rank, world, hosts, interleaved):
+    """reduce_scatter_tensor and all_gather_into_tensor on a hierarchical group (Note
+    [Hierarchical reduce-scatter and all-gather] in csrc/shm/hier.h) against flat Gloo's,
+    out of place and in place (as a sharded optimizer calls them), with the group's ranks
+    on the hosts in blocks or interleaved (host = rank mod hosts)."""
+    if interleaved:
+        pycomm.shm.host_identity = lambda: f"host{rank % hosts}/boot"
+    else:
+        _pretend_hosts(rank, [world // hosts] * hosts)
+    group = pycomm.shm.hierarchical_group(dist.group.WORLD)
+    assert group is not None
+    local = pycomm.shm.hierarchy(group)
+    assert local["hosts"] == hosts and local["ranks_per_host"] == world // hosts
+
+    def shm_ops():
+        st = pycomm.shm.stats(group)
+        return st["ops_on_caller_thread"] + st["ops_on_worker_thread"]
+
+    for s in (0, 1, 3, 1000, 70_001):
+        for dtype, op in [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
+                          (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
+                          (torch.bfloat16, dist.ReduceOp.SUM)]:
+            what = f"s={s} {dtype} {op}"
+            g = torch.Generator().manual_seed(s * 7 + rank)
+            x = (torch.randn(world * s, generator=g) * 100).to(dtype)
+            want = x.clone().to(torch.float64) if dtype == torch.bfloat16 else x.clone()
+            if op == dist.ReduceOp.AVG:
+                dist.all_reduce(want)
+                want /= world
+            else:
+                dist.all_reduce(want, op=op)
+            want = want[rank * s:(rank + 1) * s]
+            before = shm_ops()
+            out = torch.empty(s, dtype=dtype)
+            dist.reduce_scatter_tensor(out, x.clone(), op=op, group=group)
+            assert s == 0 or shm_ops() > before, f"{what}: not reduced through shared memory"
+            buf = x.clone()  # in place: the output is the rank's own range of the input
+            dist.reduce_scatter_tensor(buf[rank * s:(rank + 1) * s], buf, op=op, group=group)
+            for got in (out, buf[rank * s:(rank + 1) * s]):
+                if dtype == torch.int64 or op == dist.ReduceOp.MAX:
+                    assert torch.equal(got, want), what
+                else:  # by host, then across hosts: another order than Gloo's ring
+                    tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+                    torch.testing.assert_close(got.to(want.dtype), want, rtol=tol,
+                                               atol=tol * 100, msg=what)
+            y = x[:s].clone()
+            flat = torch.empty(world * s, dtype=dtype)
+            dist.all_gather_into_tensor(flat, y)
+            gathered = torch.empty(world * s, dtype=dtype)
+            dist.all_gather_into_tensor(gathered, y, group=group)
+            assert torch.equal(gathered, flat), what
+            gathered.zero_()[rank * s:(rank + 1) * s] = y  # in place
+            dist.all_gather_into_tensor(gathered, gathered[rank * s:(rank + 1) * s], group=group)
+            assert torch.equal(gathered, flat), what
+    with pytest.raises(ValueError, match="reduce_scatter_tensor: expected a Float tensor of "):
+        dist.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world + 1), group=group)
+
+
+@pytest.mark.parametrize("world, hosts, interleaved", [(4, 2, False), (4, 2, True), (6, 3, False),
+                                                       (6, 2, True)],
+                         ids=["2x2", "2x2-interleaved", "3x2", "2x3-interleaved"])
+def test_reduce_scatter_and_all_gather_across_hosts(world, hosts, interleaved):
+    run_ranks(_rs_ag, world_size=world, hosts=hosts, interleaved=interleaved)
