@@ -7,11 +7,11 @@ does with each bucket (a communication hook, registered at construction; the red
 still pre-divides each gradient by the world size as it copies it into the bucket, so the
 collectives only sum, with DDP's numerics):
 - backward: a bucket's gradients are reduce-scattered the moment the bucket is complete
-  on the DDP's gradient group, the shared-memory group on one host, so each rank receives
-  the averaged gradients of its range only; the tail is all-reduced. On a group whose
-  reduce-scatter is Gloo's (one all-reduce per rank: a plain Gloo group, and the hierarchy
-  across hosts, which hands reduce-scatters to its flat Gloo part), the bucket is
-  all-reduced instead (the same bytes as DDP; hierarchically across hosts). The hook
+  on the DDP's gradient group (shared memory on one host, hierarchically across hosts:
+  Note [Hierarchical reduce-scatter and all-gather] in csrc/shm/hier.h; NCCL's), so each
+  rank receives the averaged gradients of its range only; the tail is all-reduced. On a
+  plain Gloo group, whose reduce-scatter is one all-reduce per rank, the bucket is
+  all-reduced instead (the same bytes as DDP). The hook
   keeps the rank's range and the tail (hook.py's HookState.grads) and frees the bucket's storage;
   the reducer drops each param.grad once copied (Note [Released gradients] in
   csrc/reducer/launch.cpp). Before the DDP's one bucket re-cut, whole buckets are
@@ -53,7 +53,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from .. import _C, registry, shm
+from .. import _C, registry
 from . import layout as shard_layout
 from .checkpoint import ShardedStateDicts
 from .gathers import GatherLog
@@ -254,13 +254,11 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     # ---- the DDP side -----------------------------------------------------------------
 
     def _attach(self, ddp) -> None:
-        # Reduce-scatter where the backend has a real one: NCCL's, and shared memory on
-        # one host. Gloo's is an all-reduce per rank, so on Gloo, and across hosts (where
-        # the hierarchy's reduce-scatter is flat Gloo's and its all-reduce hierarchical),
+        # Reduce-scatter where the backend has a real one: NCCL's, and pycomm's (shared
+        # memory on one host; across hosts See Note [Hierarchical reduce-scatter and
+        # all-gather] in csrc/shm/hier.h). Gloo's is an all-reduce per rank, so on Gloo
         # the bucket is all-reduced and the rank keeps its range.
-        backend = dist.get_backend(self._comm_group)
-        reduce_scatter = backend == "nccl" or (backend == "pycomm"
-                                               and shm.hierarchy(self._comm_group) is None)
+        reduce_scatter = dist.get_backend(self._comm_group) in ("nccl", "pycomm")
         # the buckets' storage is freed once the hook kept the shard, unless it holds
         # no_sync's fp32 sums between steps (grad_reduce_dtype, Note [main_grad
         # accumulation]): then param.grad is the reduced bucket, as without sharding

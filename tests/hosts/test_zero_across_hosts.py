@@ -1,8 +1,9 @@
 """pycomm.ZeroRedundancyOptimizer across real hosts (network namespaces,
-pycomm/testing/hosts.py), 2 hosts x 2 ranks: buckets all-reduced hierarchically (the
-hierarchy's reduce-scatter would be flat Gloo's, an all-reduce per rank), parameters
-all-gathered over Gloo. Against pycomm's DDP + AdamW on the same hierarchy: the same sums
-in the same order, divided by 4 after (exact) instead of before, so bitwise equal."""
+pycomm/testing/hosts.py), 2 hosts x 2 ranks: buckets reduce-scattered and parameters
+all-gathered hierarchically (Note [Hierarchical reduce-scatter and all-gather] in
+csrc/shm/hier.h). Against pycomm's DDP + AdamW on the same hierarchy: each element the sum
+of its host's two ranks, then of the two hosts, as the hierarchical all-reduce adds them,
+so bitwise equal."""
 
 from __future__ import annotations
 
@@ -48,5 +49,5 @@ def test_sharded_optimizer_across_hosts_equals_ddp():
     for rank, (hierarchy, reduce_scatter, state, whole) in enumerate(values):
         assert hierarchy == {"host": rank // 2, "hosts": 2, "local_rank": rank % 2,
                              "ranks_per_host": 2}
-        assert not reduce_scatter
+        assert reduce_scatter
         assert state <= whole / 4 + 2 * 4 * 8, (state, whole)
