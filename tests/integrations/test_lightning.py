@@ -123,3 +123,90 @@ def test_strategy_by_name_and_by_instance():
                       enable_progress_bar=False)
     assert trainer.strategy is strategy and strategy._ddp_kwargs == {"config": config}
     assert isinstance(trainer.precision_plugin.clip_grad_by_norm, pycomm.lightning.FusedNormClip)
+
+
+def _sharded_module_class(sharded):
+    from lightning.pytorch import LightningModule
+
+    class ShardedRegressor(LightningModule):
+        """AdamW, sharded by pycomm.ZeroRedundancyOptimizer or not. No hook reads .grad:
+        sharded, a rank keeps only its shard of the gradients (docs/zero.md). eps=0.1, far
+        above sqrt(v) here, makes the step follow the gradients' scale, so that a clip that
+        did not scale would show (with a tiny eps AdamW undoes a uniform scale)."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2))
+            self.losses = []
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.detach().clone())
+            return loss
+
+        def configure_optimizers(self):
+            if sharded:  # after the strategy wrapped the module: the DDP's buckets are sharded
+                return pycomm.ZeroRedundancyOptimizer(self.parameters(), torch.optim.AdamW,
+                                                      lr=0.05, eps=0.1)
+            return torch.optim.AdamW(self.parameters(), lr=0.05, eps=0.1)
+
+    return ShardedRegressor
+
+
+def _fit_sharded(rank, world_size, port, root):
+    """Trainer.fit with the sharded optimizer on "pycomm_ddp" (accumulation through no_sync,
+    Lightning's gradient clipping) against Lightning's DDPStrategy with torch's AdamW; the
+    checkpoint's optimizer state is consolidated (Lightning calls consolidate_state_dict)
+    into one that torch's AdamW loads."""
+    set_launcher_env(rank, world_size, port)
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import pycomm.lightning  # noqa: F401  registers "pycomm_ddp"
+
+    g = torch.Generator().manual_seed(1)
+    n = world_size * _STEPS * _ACCUMULATE * _BATCH
+    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g))
+    fitted = {}
+    for name, strategy, sharded in (("torch", DDPStrategy(), False),
+                                    ("pycomm", "pycomm_ddp", True)):
+        torch.manual_seed(0)
+        model = _sharded_module_class(sharded)()
+        trainer = Trainer(accelerator="cpu", devices=world_size, num_nodes=1, strategy=strategy,
+                          max_steps=_STEPS, accumulate_grad_batches=_ACCUMULATE,
+                          gradient_clip_val=_CLIP, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=os.path.join(root, name))
+        trainer.fit(model, DataLoader(data, batch_size=_BATCH))
+        path = os.path.join(root, name, "last.ckpt")
+        trainer.save_checkpoint(path)
+        fitted[name] = (model, trainer.optimizers[0], path)
+    ours, zero, path = fitted["pycomm"]
+    theirs, _, ref_path = fitted["torch"]
+    assert isinstance(zero, pycomm.ZeroRedundancyOptimizer)
+    assert zero._ddp is not None and zero._hook_state.reduce_scatter  # sharded on the reducer
+    assert len(ours.losses) == _STEPS * _ACCUMULATE
+    # Two ranks: the averaged gradients are the same bits; the clip's fused norm adds in
+    # another order than torch's foreach norm (a few fp32 ulp), carried by later steps.
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(ours.losses), torch.stack(theirs.losses), **tol)
+    zero.wait_for_params()
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, **tol)
+    if rank == 0:
+        mine = torch.load(path, weights_only=True)["optimizer_states"][0]
+        ref = torch.load(ref_path, weights_only=True)["optimizer_states"][0]
+        plain = torch.optim.AdamW(_sharded_module_class(False)().parameters(), lr=0.05, eps=0.1)
+        plain.load_state_dict(mine)  # the consolidated state loads into torch's AdamW
+        assert sorted(mine["state"]) == sorted(ref["state"])
+        for i, want in ref["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(mine["state"][i][key], want[key], **tol)
+            assert float(mine["state"][i]["step"]) == float(want["step"]) == _STEPS
+
+
+def test_fit_with_the_sharded_optimizer_matches_torch_ddp_and_adamw(tmp_path):
+    pytest.importorskip("lightning", reason=_LIGHTNING)
+    run_ranks(_fit_sharded, port=free_port(), root=str(tmp_path))
