@@ -83,19 +83,27 @@ class ShardedStateDicts:
         if whole is None:
             return
         number = self._number()
+        self._consolidated = {"state": {number[i]: s for i, s in sorted(whole.items())},
+                              "param_groups": self._numbered_groups()}
+
+    def _numbered_groups(self) -> list[dict]:
+        """param_groups as torch's state_dict() writes them: parameters numbered in order."""
         groups, k = [], 0
         for group in self.param_groups:
             g = {key: v for key, v in group.items() if key != "params"}
             g["params"] = list(range(k, k + len(group["params"])))
             k += len(group["params"])
             groups.append(g)
-        self._consolidated = {"state": {number[i]: s for i, s in sorted(whole.items())},
-                              "param_groups": groups}
+        return groups
 
     def state_dict(self) -> dict[str, Any]:
         """torch's: the consolidated state dict, on the rank consolidate_state_dict sent it
-        to; call that first, on every rank."""
+        to; call that first, on every rank. Before any rank holds state (nothing stepped or
+        loaded: the same on every rank) there is nothing to consolidate, and every rank
+        returns the stateless dict, as Accelerate's prepare() reads it."""
         consolidated = getattr(self, "_consolidated", None)
+        if consolidated is None and not self._holds_state:
+            return {"state": {}, "param_groups": self._numbered_groups()}
         if consolidated is None:
             raise RuntimeError(
                 f"ZeroRedundancyOptimizer (rank {self.global_rank}): call "

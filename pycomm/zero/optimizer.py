@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
@@ -120,6 +121,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._signature = None
         self._holds_state = False  # stepped, or loaded: a re-cut must move the state
         self._first_grads = None  # See Note [The first step's buckets]
+        self._late_ddp_warned = self._ddp is not None  # see _warn_if_wrapped_later
         self.optim: Optional[Optimizer] = None
         self._relayout(whole=None)
         if self._ddp is not None:
@@ -405,6 +407,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self._late_ddp_warned:
+            self._warn_if_wrapped_later()
         self._follow_buckets()
         self._sync_groups()
         for (_, _, main), run in zip(self._pieces, self._grad_runs()):
@@ -421,6 +425,21 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                 run.copy_(main)
         self._gather()
         return loss
+
+    def _warn_if_wrapped_later(self) -> None:
+        """Built on bare parameters that a pycomm DDP wrapped afterwards (Accelerate's and
+        the transformers Trainer's order: optimizer first, then prepare()), it stays
+        torch's ZeroRedundancyOptimizer: correct, but DDP all-reduces every gradient and
+        keeps them whole. Say so once, with the order that shards on the reducer."""
+        self._late_ddp_warned = True
+        trainable = next((p for p in self._all_params if p.requires_grad), None)
+        if trainable is not None and registry.ddp_of(trainable) is not None:
+            warnings.warn(
+                "ZeroRedundancyOptimizer was built before its parameters were wrapped by "
+                "pycomm.DistributedDataParallel, so it runs as torch's: gradients are "
+                "all-reduced and kept whole. Build it from the wrapped module's parameters "
+                "to reduce-scatter them (with Accelerate: model = accelerator.prepare(model), "
+                "then the optimizer, then accelerator.prepare(optimizer))", stacklevel=3)
 
     def _gather(self) -> None:
         """All-gather every bucket's parameters, last bucket first."""

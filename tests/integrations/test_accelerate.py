@@ -87,3 +87,74 @@ def _loop_both(rank, world_size, port, root):
 def test_accumulate_clip_and_trigger_sync_match_torch_ddp(tmp_path):
     pytest.importorskip("accelerate", reason="the integrations extra (accelerate) is absent")
     run_ranks(_loop_both, port=free_port(), root=str(tmp_path))
+
+
+def _train_adamw(accelerator, how, world_size):
+    """AdamW through Accelerate with accumulation and clip_grad_norm_: "torch" (torch's
+    DDP and AdamW), "sharded" (pycomm.patch(), the model prepared first, then the sharded
+    optimizer built on the wrapped module and prepared), "early" (the sharded optimizer
+    built before prepare: it stays torch's ZeroRedundancyOptimizer and says so). eps=0.1,
+    far above sqrt(v) here, makes AdamW's step follow the gradients' scale, so that a clip
+    that did not scale would show (with a tiny eps AdamW undoes a uniform scale)."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(1)
+    n = world_size * _STEPS * _ACCUMULATE * _BATCH
+    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
+    torch.manual_seed(0)
+    bare = MLP()
+    losses, norms = [], []
+    with pycomm.patch() if how != "torch" else contextlib.nullcontext():
+        if how == "torch":
+            adamw = torch.optim.AdamW(bare.parameters(), lr=0.05, eps=0.1)
+            model, optimizer = accelerator.prepare(bare, adamw)
+        elif how == "sharded":
+            model = accelerator.prepare(bare)
+            optimizer = accelerator.prepare(pycomm.ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.AdamW, lr=0.05, eps=0.1))
+        else:
+            model, optimizer = accelerator.prepare(bare, pycomm.ZeroRedundancyOptimizer(
+                bare.parameters(), torch.optim.AdamW, lr=0.05, eps=0.1))
+        loader = accelerator.prepare(DataLoader(data, batch_size=_BATCH))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in loader:
+                with accelerator.accumulate(model):
+                    loss = nn.functional.mse_loss(model(x), y)
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        norms.append(accelerator.clip_grad_norm_(model.parameters(), _CLIP))
+                    optimizer.step()
+                    optimizer.zero_grad()
+                losses.append(loss.detach())
+    late = [w for w in caught if "built before its parameters were wrapped" in str(w.message)]
+    zero = optimizer.optimizer
+    if how != "torch":
+        zero.wait_for_params()
+        sharded = zero._ddp is not None
+        assert sharded == (how == "sharded") and len(late) == (how == "early"), (how, late)
+        if sharded:
+            assert zero._hook_state.reduce_scatter
+            assert all(p.grad is None for p in bare.parameters())  # released (ZeRO-2)
+    return torch.stack(losses), torch.stack(norms), list(bare.parameters())
+
+
+def _adamw_all_ways(rank, world_size, port):
+    set_launcher_env(rank, world_size, port)
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=_ACCUMULATE)
+    theirs = _train_adamw(accelerator, "torch", world_size)
+    assert min(theirs[1]) > _CLIP  # every step clipped
+    for how in ("sharded", "early"):
+        # Two ranks: the averaged gradients are the same bits; the clip's norm adds in
+        # another order than torch's foreach (a few fp32 ulp, carried by later steps).
+        torch.testing.assert_close(_train_adamw(accelerator, how, world_size), theirs,
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, h=how: f"{h}: {m}")
+
+
+def test_sharded_optimizer_through_prepare_matches_torch_adamw():
+    pytest.importorskip("accelerate", reason="the integrations extra (accelerate) is absent")
+    run_ranks(_adamw_all_ways, port=free_port())
