@@ -210,6 +210,15 @@ def _overlaps(ddp: nn.Module, steps: int) -> list[float]:
     return t.tolist()
 
 
+def _memory_bytes(device: torch.device) -> float:
+    """What the mem_MB column counts: on a GPU the device memory torch's allocator holds
+    for tensors (host memory says nothing of it), else this process's resident memory."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.memory_allocated(device))
+    return _resident_bytes()
+
+
 def _resident_bytes() -> float:
     """This process's resident memory now (Linux /proc; nan elsewhere)."""
     try:
@@ -249,13 +258,13 @@ def run_model(cfg: Config, name: str) -> list[Result]:
     runs = {}
     for variant in variants:
         _say(cfg, f"{name}: building and warming up {variant}")
-        resident = _resident_bytes()
+        before = _memory_bytes(device)
         model, ddp = _build(variant, module, cfg)
         opt = sharded.optimizer(variant.removesuffix(COMPILED), ddp, cfg.optimizer)
         for _ in range(cfg.warmup):
             _step(model, opt, x)
         _timed(model, ddp, opt, x, 1, no_sync=True)  # a compiled no_sync step may recompile
-        added = [_resident_bytes() - resident, sharded.state_bytes(opt)]
+        added = [_memory_bytes(device) - before, sharded.state_bytes(opt)]
         runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": [], "wire": [],
                                            "hidden": [], "memory": _rank_max([added])[0]})
     for rep in range(cfg.reps):  # interleaved, alternating who goes first
@@ -335,10 +344,11 @@ def format_results(cfg: Config, results: list[Result], allocator: str = "") -> s
                  "overlap: pycomm's, median step of the least overlapped rank" +
                  ("; wire_MB: what host 0 sent on its link per synchronized step" if wire
                   else "") +
-                 ("; state_MB: optimizer state per rank (the largest); mem_MB: resident "
-                  "memory the implementation added while built and warmed up (the largest "
-                  "rank); ag_hid: share of pycomm_zero's parameter all-gather time the "
-                  "forward did not wait for (least of the ranks)" if memory else ""))
+                 ("; state_MB: optimizer state per rank (the largest); mem_MB: memory the "
+                  "implementation added while built and warmed up, resident on CPU, "
+                  "allocated on the GPU (the largest rank); ag_hid: share of pycomm_zero's "
+                  "parameter all-gather time the forward did not wait for (least of the "
+                  "ranks)" if memory else ""))
     for name in dict.fromkeys(r.model for r in results):
         rows = {r.impl: r for r in results if r.model == name}
         lines += _comparisons(name, rows)
