@@ -88,28 +88,36 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
             return buf
 
         return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
+    # What the rank keeps: its range and the tail, back to back, reused from step to step.
+    # Unless it adds to what an earlier backward kept, or the bucket stays (not released:
+    # its range must hold the average too), the reduce-scatter writes the range straight
+    # into it (one pass over the range fewer than reducing in place and copying).
+    mine = buf.numel() - (world - 1) * s
+    kept = state.grads
+    out = kept.get(index)
+    add = index in state.fresh and out is not None and out.numel() == mine
+    if out is None or out.numel() != mine or out.dtype != buf.dtype:
+        out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
+    direct = state.reduce_scatter and state.release and not add
     futures = []
     if state.reduce_scatter:
         if s:
             futures.append(_reduce_scatter(
-                buf[rank * s:(rank + 1) * s], buf[:world * s], group=group,
-                async_op=True).get_future())
+                out[:s] if direct else buf[rank * s:(rank + 1) * s], buf[:world * s],
+                group=group, async_op=True).get_future())
         if buf.numel() > world * s:
             futures.append(dist.all_reduce(buf[world * s:], group=group,
                                            async_op=True).get_future())
     elif buf.numel():
         futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
-    kept = state.grads
 
     def keep(fut):
         if fut is not None:
             _raise_failure(fut)
-        mine = buf.numel() - (world - 1) * s  # the range and the tail
-        out = kept.get(index)
-        add = index in state.fresh and out is not None and out.numel() == mine
-        if out is None or out.numel() != mine or out.dtype != buf.dtype:
-            out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
-        for dst, src in ((out[:s], buf[rank * s:(rank + 1) * s]), (out[s:], buf[world * s:])):
+        pairs = [(out[s:], buf[world * s:])]
+        if not direct:
+            pairs.append((out[:s], buf[rank * s:(rank + 1) * s]))
+        for dst, src in pairs:
             dst.add_(src) if add else dst.copy_(src)
         state.fresh.add(index)
         if state.release:
