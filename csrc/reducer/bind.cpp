@@ -162,13 +162,16 @@ void bind_reducer(py::module& m) {
            "[(address, 'hostname: ranks ...')] per host, named in failure messages")
       .def(
           "register_comm_hook",
-          [](Reducer& r, py::object state, py::object hook, bool pre_divided) {
-            r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(
-                std::move(state), std::move(hook), pre_divided));
+          [](Reducer& r, py::object state, py::object hook, bool pre_divided, bool between_steps) {
+            r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
+                                                                      std::move(hook), pre_divided),
+                            between_steps);
           },
           py::arg("state"), py::arg("hook"), py::arg("pre_divided") = false,
+          py::arg("between_steps") = false,
           "pre_divided: the reducer scales each gradient by 1/world into the bucket and the "
-          "hook only sums (See PythonCommHook in csrc/reducer/comm_hook.h)")
+          "hook only sums (See PythonCommHook in csrc/reducer/comm_hook.h); between_steps: "
+          "also after the first backward, while none runs (Reducer::set_comm_hook)")
       .def("has_comm_hook", &Reducer::has_python_comm_hook)
       .def("set_release_gradients", &Reducer::set_release_gradients, py::arg("release"),
            "See Note [Released gradients] in csrc/reducer/launch.cpp")

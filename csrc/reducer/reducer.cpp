@@ -167,10 +167,13 @@ std::string Reducer::prepare_no_sync() {
   return note;
 }
 
-void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook) {
+void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(!python_hook_, "a communication hook is already registered; register it once");
-  TORCH_CHECK(step_ == 0, "register the communication hook before the first backward");
+  TORCH_CHECK(step_ == 0 || (between_steps && state_ != State::kBackward),
+              between_steps ? "register the communication hook between steps, not during a "
+                              "backward"
+                            : "register the communication hook before the first backward");
   python_hook_ = dynamic_cast<PythonCommHook*>(hook.get()) != nullptr;
   hook_ = std::move(hook);
 }

@@ -124,7 +124,11 @@ class Reducer {
   // [Gradient groups] in rebuild.cpp): equal ids were produced by one autograd node.
   std::vector<int64_t> ready_groups() const;
 
-  void set_comm_hook(std::unique_ptr<CommHook> hook);
+  // Before the first backward, as torch's; with between_steps also later, while no
+  // backward is running (the sharded optimizer adopting a DDP built after it: Note
+  // [Wrapped after the optimizer] in pycomm/zero/optimizer.py). Which path a bucket takes
+  // is decided per step, at its first hook.
+  void set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps = false);
   bool has_python_comm_hook() const { return python_hook_; }
   // Elements of the label each synchronized step exchanges before its first bucket (See
   // Note [Step labels over the group] in comm/step_label.cpp); 0: none.

@@ -219,12 +219,13 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     def _register_sharding_hook(self, state: object, hook: Callable) -> None:
         """pycomm.ZeroRedundancyOptimizer's communication hook: the reducer pre-divides
         each gradient as without a hook, and the hook only sums (PythonCommHook's
-        pre_divided in csrc/reducer/comm_hook.h)."""
+        pre_divided in csrc/reducer/comm_hook.h). Also between steps after training began
+        (See Note [Wrapped after the optimizer] in pycomm/zero/optimizer.py)."""
         if self._sync.comm_hook is not None:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "
                                "communication hook registered")
-        self.reducer.register_comm_hook(state, hook, pre_divided=True)
+        self.reducer.register_comm_hook(state, hook, pre_divided=True, between_steps=True)
         self._sync.comm_hook = (state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-import warnings
 import weakref
 from collections.abc import Iterable
 from typing import Any, Callable, Optional
@@ -121,7 +120,6 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._signature = None
         self._holds_state = False  # stepped, or loaded: a re-cut must move the state
         self._first_grads = None  # See Note [The first step's buckets]
-        self._late_ddp_warned = self._ddp is not None  # see _warn_if_wrapped_later
         self.optim: Optional[Optimizer] = None
         self._relayout(whole=None)
         if self._ddp is not None:
@@ -347,13 +345,50 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         gradients, as DDP does; every later one holds shards."""
         self.wait_for_params()
         if self._ddp is None:
-            return
+            self._adopt_ddp()
+            if self._ddp is None:
+                return
         state = self._hook_state
         if not state.final and state.first:
             self._ddp._sync.rebuild_buckets_if_due()
             self._first_grads, state.first, state.final = state.first, {}, True
         if shard_layout.signature(self._buckets()) != self._signature:
             self._relayout(self._whole_states() if self._holds_state else None)
+
+    def _adopt_ddp(self) -> None:
+        """Note [Wrapped after the optimizer]
+        Accelerate's usual order, and the transformers Trainer's, builds the optimizer on
+        the bare module and wraps the module afterwards (prepare()). Built so, this
+        optimizer starts as torch's ZeroRedundancyOptimizer; the first time it reads
+        gradients after a pycomm DDP took its parameters (the first step, or a clip before
+        it), it moves onto the DDP as if built there. That backward was the DDP's own
+        (whole averaged gradients in param.grad, which this step reads as after no_sync);
+        the DDP's one bucket re-cut, due after it, is run now, so the shards are cut once
+        on the final buckets; state already held (a checkpoint loaded first) is gathered
+        whole from the old layout and cut anew. From the next backward on, the buckets are
+        reduce-scattered and released. Collective (every rank reaches it in the same call:
+        the same step, or the same clip)."""
+        trainable = next((p for p in self._all_params if p.requires_grad), None)
+        if trainable is None or registry.ddp_of(trainable) is None:
+            return
+        ddp = self._find_ddp()  # every parameter the one DDP's, or a named error
+        whole = self._whole_states() if self._holds_state else None
+        rebuilt = ddp._sync.rebuild_buckets_if_due()
+        self._ddp = ddp
+        self._params = [p for _, p in ddp._named_params]
+        self._names = [n for n, _ in ddp._named_params]
+        self._comm_group = ddp.gradient_group
+        self.world_size = dist.get_world_size(self._comm_group)
+        self.rank = dist.get_rank(self._comm_group)
+        self.global_rank = dist.get_global_rank(self._comm_group, self.rank)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._check_params()
+        self._check_agreement()
+        self._relayout(whole)
+        self._attach(ddp)
+        if rebuilt:  # See Note [The first step's buckets]: no re-cut is still to come
+            self._hook_state.final = True
+        registry.register_sharder(self, self._params)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -407,8 +442,6 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._late_ddp_warned:
-            self._warn_if_wrapped_later()
         self._follow_buckets()
         self._sync_groups()
         for (_, _, main), run in zip(self._pieces, self._grad_runs()):
@@ -425,21 +458,6 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                 run.copy_(main)
         self._gather()
         return loss
-
-    def _warn_if_wrapped_later(self) -> None:
-        """Built on bare parameters that a pycomm DDP wrapped afterwards (Accelerate's and
-        the transformers Trainer's order: optimizer first, then prepare()), it stays
-        torch's ZeroRedundancyOptimizer: correct, but DDP all-reduces every gradient and
-        keeps them whole. Say so once, with the order that shards on the reducer."""
-        self._late_ddp_warned = True
-        trainable = next((p for p in self._all_params if p.requires_grad), None)
-        if trainable is not None and registry.ddp_of(trainable) is not None:
-            warnings.warn(
-                "ZeroRedundancyOptimizer was built before its parameters were wrapped by "
-                "pycomm.DistributedDataParallel, so it runs as torch's: gradients are "
-                "all-reduced and kept whole. Build it from the wrapped module's parameters "
-                "to reduce-scatter them (with Accelerate: model = accelerator.prepare(model), "
-                "then the optimizer, then accelerator.prepare(optimizer))", stacklevel=3)
 
     def _gather(self) -> None:
         """All-gather every bucket's parameters, last bucket first."""
@@ -487,6 +505,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         DDP's no_sync (local gradients in param.grad, nothing reduced) it clips param.grad
         as pycomm.clip_grad_norm_ does. `parameters` (default: all it shards) restricts the
         norm and the scaling to those, as torch's clip of a subset does. Collective."""
+        if self._ddp is None:
+            self._adopt_ddp()  # See Note [Wrapped after the optimizer]: before the indices
         chosen = None if parameters is None else {
             self._index[id(p)] for p in parameters if id(p) in self._index}
         if self._ddp is not None and not self._ddp.require_backward_grad_sync:

@@ -7,6 +7,7 @@ to pycomm's DDP and within rounding of torch's (whose Gloo ring sums in another 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -207,3 +208,47 @@ def _standalone(rank, world_size):
 
 def test_standalone_matches_torch_zero_redundancy_optimizer():
     run_ranks(_standalone, 2)
+
+
+def _wrapped_after(rank, world_size, clip_first):
+    """Note [Wrapped after the optimizer]: built on the bare module, then the module wrapped
+    (Accelerate's order). The first step (or a clip before it) moves the optimizer onto
+    the DDP; it trains bitwise as pycomm's DDP + AdamW throughout (with a clip: within the
+    clip's rounding), reduce-scatters from the second backward on, and releases param.grad."""
+    base = build("mlp")
+    cfg = pycomm.DDPConfig(bucket_cap_mb=5e-4)
+    bare = copy.deepcopy(base)
+    zero = pycomm.ZeroRedundancyOptimizer(_groups(bare), torch.optim.AdamW, lr=1e-2)
+    assert zero._ddp is None
+    sharded = pycomm.DistributedDataParallel(bare, config=cfg)
+    plain = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+    adamw = torch.optim.AdamW(_groups(plain), lr=1e-2)
+    for ddp, opt in ((sharded, zero), (plain, adamw)):
+        for step in range(STEPS):
+            opt.zero_grad()
+            micro = 2 if step % 3 == 1 else 1
+            for m in range(micro):
+                x = make_input("mlp", rank, 10 * step + m)
+                with ddp.no_sync() if m < micro - 1 else contextlib.nullcontext():
+                    loss_of(ddp(x)).backward()
+            if clip_first:
+                pycomm.clip_grad_norm_(ddp.parameters(), 0.05)
+            if ddp is sharded and step == 0:
+                assert zero._ddp is (sharded if clip_first else None)
+            opt.step()
+            if ddp is sharded:
+                assert zero._ddp is sharded, f"step {step}: not moved onto the DDP"
+                assert zero._hook_state.reduce_scatter
+                if step > 0:
+                    assert all(p.grad is None for p in sharded.parameters()), step
+    zero.wait_for_params()
+    for (name, p), q in zip(sharded.module.named_parameters(), plain.module.parameters()):
+        if clip_first:  # the norm from the shards adds in another order than the whole
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: n + m)
+        else:
+            assert torch.equal(p, q), f"rank {rank}: {name} differs by {(p - q).abs().max()}"
+
+
+@pytest.mark.parametrize("clip_first", [False, True], ids=["step-first", "clip-first"])
+def test_built_before_the_module_was_wrapped(clip_first):
+    run_ranks(_wrapped_after, 2, clip_first=clip_first)
