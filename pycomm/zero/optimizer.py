@@ -93,24 +93,12 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.overlap_with_ddp = overlap_with_ddp
         self._all_params = [p for g in self.param_groups for p in g["params"]]
-        self._ddp = self._find_ddp()
-        if self._ddp is not None:
-            self._params = [p for _, p in self._ddp._named_params]
-            self._names = [n for n, _ in self._ddp._named_params]
-            group = self._ddp.process_group if process_group is None else process_group
-            self._comm_group = self._ddp.gradient_group
+        ddp = self._find_ddp()
+        if ddp is not None:
+            self.process_group = ddp.process_group if process_group is None else process_group
         else:
-            self._params = list(self._all_params)
-            self._names = [f"params[{i}]" for i in range(len(self._params))]
-            group = process_group or dist.distributed_c10d._get_default_group()
-            self._comm_group = group
-        self.process_group = group
-        self.world_size = dist.get_world_size(self._comm_group)
-        self.rank = dist.get_rank(self._comm_group)
-        self.global_rank = dist.get_global_rank(self._comm_group, self.rank)
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._check_params()
-        self._check_agreement()
+            self.process_group = process_group or dist.distributed_c10d._get_default_group()
+        self._bind(ddp)
         self._pending: dict[int, Any] = {}  # bucket -> its parameter all-gather's work
         # all-gathers still pending when the optimizer goes (overlap_with_ddp=True leaves
         # the last step's running) are waited for then: a process group destroyed under a
@@ -127,6 +115,26 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         registry.register_sharder(self, self._params)
 
     # ---- where the parameters are ------------------------------------------------------
+
+    def _bind(self, ddp) -> None:
+        """Whose parameters these are and where they communicate: the DDP's, in its order,
+        over its gradient group; or (ddp None) the optimizer's own, over process_group.
+        Then the checks, the agreement across ranks included (collective)."""
+        self._ddp = ddp
+        if ddp is not None:
+            self._params = [p for _, p in ddp._named_params]
+            self._names = [n for n, _ in ddp._named_params]
+            self._comm_group = ddp.gradient_group
+        else:
+            self._params = list(self._all_params)
+            self._names = [f"params[{i}]" for i in range(len(self._params))]
+            self._comm_group = self.process_group
+        self.world_size = dist.get_world_size(self._comm_group)
+        self.rank = dist.get_rank(self._comm_group)
+        self.global_rank = dist.get_global_rank(self._comm_group, self.rank)
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._check_params()
+        self._check_agreement()
 
     def _find_ddp(self):
         """The pycomm DDP whose trainable parameters these are (frozen ones, which never
@@ -374,16 +382,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         ddp = self._find_ddp()  # every parameter the one DDP's, or a named error
         whole = self._whole_states() if self._holds_state else None
         rebuilt = ddp._sync.rebuild_buckets_if_due()
-        self._ddp = ddp
-        self._params = [p for _, p in ddp._named_params]
-        self._names = [n for n, _ in ddp._named_params]
-        self._comm_group = ddp.gradient_group
-        self.world_size = dist.get_world_size(self._comm_group)
-        self.rank = dist.get_rank(self._comm_group)
-        self.global_rank = dist.get_global_rank(self._comm_group, self.rank)
-        self._index = {id(p): i for i, p in enumerate(self._params)}
-        self._check_params()
-        self._check_agreement()
+        self._bind(ddp)
         self._relayout(whole)
         self._attach(ddp)
         if rebuilt:  # See Note [The first step's buckets]: no re-cut is still to come
