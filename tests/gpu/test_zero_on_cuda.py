@@ -24,7 +24,8 @@ gpu.require()
 import pycomm  # noqa: E402
 from tests.gpu.test_ddp_on_cuda import GROUPS, _on_the_gpu, _run_on  # noqa: E402
 from tests.support.ddp_models import build, loss_of, make_input  # noqa: E402
-from tests.zero.test_zero_parity import STEPS, _groups, _steps  # noqa: E402
+from tests.zero import test_zero_parity as zero_parity  # noqa: E402
+from tests.zero.test_zero_parity import _groups, _steps  # noqa: E402
 
 CAP = 5e-4  # MB: the MLP in several buckets
 
@@ -96,38 +97,8 @@ def _released_and_clipped(rank, world_size):
 
 
 def _bf16_main_params(rank, world_size):
-    """bf16 parameters, fp32 gradient buckets: the sharded step on fp32 main parameters
-    equals fp32 copies stepped by AdamW on the DDP's fp32 main_grad, rounded to bf16 after
-    each step, bitwise."""
     _on_the_gpu()
-    base = build("mlp").cuda().to(torch.bfloat16)
-    sharded = _ddp(base, grad_reduce_dtype=torch.float32)
-    zero = pycomm.ZeroRedundancyOptimizer(sharded.parameters(), torch.optim.AdamW, lr=1e-2)
-    plain = _ddp(base, grad_reduce_dtype=torch.float32)
-    main = [p.detach().float().clone() for p in plain.parameters()]
-    adamw = torch.optim.AdamW(main, lr=1e-2)
-    _steps(sharded, zero, rank, "mlp", accumulate=True, dtype=torch.bfloat16)
-    for step in range(STEPS):
-        for p in plain.parameters():
-            p.grad = None
-        micro = 2 if step % 3 == 1 else 1
-        for m in range(micro):
-            x = make_input("mlp", rank, 10 * step + m).to(torch.bfloat16)
-            if m < micro - 1:
-                with plain.no_sync():
-                    loss_of(plain(x)).float().backward()
-            else:
-                loss_of(plain(x)).float().backward()
-        for w, p in zip(main, plain.parameters()):
-            w.grad = p.main_grad.clone()
-        adamw.step()
-        with torch.no_grad():
-            for w, p in zip(main, plain.parameters()):
-                p.copy_(w)
-    zero.wait_for_params()
-    for (name, p), q in zip(sharded.module.named_parameters(), plain.module.parameters()):
-        assert p.dtype == torch.bfloat16 and p.is_cuda
-        assert torch.equal(p, q), f"rank {rank}: {name} vs the fp32-main oracle {_differs(p, q)}"
+    zero_parity._bf16_main_params(rank, world_size, device="cuda")
 
 
 def _parity_cases(rank, world_size):

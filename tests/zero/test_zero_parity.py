@@ -148,15 +148,17 @@ def test_three_ranks_bitwise_with_pycomm_ddp(shm):
               ddp_kwargs={}, exact=True, exact_torch=False)
 
 
-def _bf16_main_params(rank, world_size):
+def _bf16_main_params(rank, world_size, device="cpu"):
     """bf16 parameters, fp32 gradient buckets: the sharded step on fp32 main parameters
     equals the unsharded oracle (fp32 copies of the parameters stepped by AdamW on the DDP's
-    fp32 main_grad, rounded to bf16 after each step), bitwise."""
-    base = build("mlp").to(torch.bfloat16)
+    fp32 main_grad, rounded to bf16 after each step), bitwise. On "cuda" too
+    (tests/gpu/test_zero_on_cuda.py: the DDPs move the inputs, device_ids=[0])."""
+    base = build("mlp").to(device).to(torch.bfloat16)
     cfg = pycomm.DDPConfig(bucket_cap_mb=5e-4, grad_reduce_dtype=torch.float32)
-    sharded = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+    ids = [0] if device == "cuda" else None
+    sharded = pycomm.DistributedDataParallel(copy.deepcopy(base), device_ids=ids, config=cfg)
     zero = pycomm.ZeroRedundancyOptimizer(sharded.parameters(), torch.optim.AdamW, lr=1e-2)
-    plain = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+    plain = pycomm.DistributedDataParallel(copy.deepcopy(base), device_ids=ids, config=cfg)
     main = [p.detach().float().clone() for p in plain.parameters()]
     adamw = torch.optim.AdamW(main, lr=1e-2)
     _steps(sharded, zero, rank, "mlp", accumulate=True, dtype=torch.bfloat16)
@@ -177,9 +179,11 @@ def _bf16_main_params(rank, world_size):
         with torch.no_grad():
             for w, p in zip(main, plain.parameters()):
                 p.copy_(w)
+    zero.wait_for_params()
     for (name, p), q in zip(sharded.module.named_parameters(), plain.module.parameters()):
-        assert p.dtype == torch.bfloat16
-        assert torch.equal(p, q), f"rank {rank}: {name} differs from the fp32-main oracle"
+        assert p.dtype == torch.bfloat16 and p.device.type == device
+        assert torch.equal(p, q), (f"rank {rank}: {name} differs from the fp32-main oracle "
+                                   f"by {(p.float() - q.float()).abs().max().item():.3g}")
 
 
 def test_bf16_parameters_with_fp32_main_parameters_bitwise():
