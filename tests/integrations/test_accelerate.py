@@ -21,16 +21,24 @@ _CLIP = 0.05
 _STEPS, _ACCUMULATE, _BATCH = 3, 2, 4
 
 
-def _train(accelerator, use_pycomm, world_size, out_dir):
-    from safetensors.torch import load_file
-    from torch.utils.data import DataLoader, TensorDataset
+def _data_and_model(world_size):
+    """The loops' data (the same on every rank: Accelerate's loader shards it), a fresh
+    MLP (seed 0), and the generator that drew the data, for more."""
+    from torch.utils.data import TensorDataset
 
     g = torch.Generator().manual_seed(1)
     n = world_size * _STEPS * _ACCUMULATE * _BATCH
     data = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
-    extra = [torch.randn(_BATCH, 8, generator=g) for _ in range(2 * world_size)]
     torch.manual_seed(0)
-    bare = MLP()
+    return g, data, MLP()
+
+
+def _train(accelerator, use_pycomm, world_size, out_dir):
+    from safetensors.torch import load_file
+    from torch.utils.data import DataLoader
+
+    g, data, bare = _data_and_model(world_size)
+    extra = [torch.randn(_BATCH, 8, generator=g) for _ in range(2 * world_size)]
     optimizer = torch.optim.SGD(bare.parameters(), lr=0.5)
     losses, norms = [], []
     with pycomm.patch() if use_pycomm else contextlib.nullcontext():
@@ -95,16 +103,12 @@ def _train_adamw(accelerator, how, world_size):
     optimizer built on the wrapped module and prepared), "early" (the sharded optimizer
     built on the bare module, both prepared together: Accelerate's usual order, after which
     the optimizer moves onto the DDP at its first clip; Note [Wrapped after the optimizer]
-    in pycomm/zero/optimizer.py). eps=0.1,
-    far above sqrt(v) here, makes AdamW's step follow the gradients' scale, so that a clip
-    that did not scale would show (with a tiny eps AdamW undoes a uniform scale)."""
-    from torch.utils.data import DataLoader, TensorDataset
+    in pycomm/zero/optimizer.py). eps=0.1, far above sqrt(v) here, makes AdamW's step
+    follow the gradients' scale, so that a clip that did not scale would show (with a tiny
+    eps AdamW undoes a uniform scale)."""
+    from torch.utils.data import DataLoader
 
-    g = torch.Generator().manual_seed(1)
-    n = world_size * _STEPS * _ACCUMULATE * _BATCH
-    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
-    torch.manual_seed(0)
-    bare = MLP()
+    _, data, bare = _data_and_model(world_size)
     losses, norms = [], []
     with pycomm.patch() if how != "torch" else contextlib.nullcontext():
         if how == "torch":
