@@ -33,6 +33,22 @@ def _data_and_model(world_size):
     return g, data, MLP()
 
 
+def _loop(accelerator, model, optimizer, loader):
+    """The training loop both tests run: accumulate, clip on the synchronized micro-step,
+    step; each micro-step's loss and each clip's norm."""
+    losses, norms = [], []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), _CLIP))
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, norms
+
+
 def _train(accelerator, use_pycomm, world_size, out_dir):
     from safetensors.torch import load_file
     from torch.utils.data import DataLoader
@@ -40,19 +56,10 @@ def _train(accelerator, use_pycomm, world_size, out_dir):
     g, data, bare = _data_and_model(world_size)
     extra = [torch.randn(_BATCH, 8, generator=g) for _ in range(2 * world_size)]
     optimizer = torch.optim.SGD(bare.parameters(), lr=0.5)
-    losses, norms = [], []
     with pycomm.patch() if use_pycomm else contextlib.nullcontext():
         model, optimizer, loader = accelerator.prepare(bare, optimizer,
                                                        DataLoader(data, batch_size=_BATCH))
-        for x, y in loader:
-            with accelerator.accumulate(model):
-                loss = nn.functional.mse_loss(model(x), y)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    norms.append(accelerator.clip_grad_norm_(model.parameters(), _CLIP))
-                optimizer.step()
-                optimizer.zero_grad()
-            losses.append(loss.detach())
+        losses, norms = _loop(accelerator, model, optimizer, loader)
         rank = accelerator.process_index
         with accelerator.no_sync(model):
             loss_a = model(extra[2 * rank]).square().mean()
@@ -109,7 +116,6 @@ def _train_adamw(accelerator, how, world_size):
     from torch.utils.data import DataLoader
 
     _, data, bare = _data_and_model(world_size)
-    losses, norms = [], []
     with pycomm.patch() if how != "torch" else contextlib.nullcontext():
         if how == "torch":
             adamw = torch.optim.AdamW(bare.parameters(), lr=0.05, eps=0.1)
@@ -122,15 +128,7 @@ def _train_adamw(accelerator, how, world_size):
             model, optimizer = accelerator.prepare(bare, pycomm.ZeroRedundancyOptimizer(
                 bare.parameters(), torch.optim.AdamW, lr=0.05, eps=0.1))
         loader = accelerator.prepare(DataLoader(data, batch_size=_BATCH))
-        for x, y in loader:
-            with accelerator.accumulate(model):
-                loss = nn.functional.mse_loss(model(x), y)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    norms.append(accelerator.clip_grad_norm_(model.parameters(), _CLIP))
-                optimizer.step()
-                optimizer.zero_grad()
-            losses.append(loss.detach())
+        losses, norms = _loop(accelerator, model, optimizer, loader)
     zero = optimizer.optimizer
     if how != "torch":
         zero.wait_for_params()
