@@ -15,6 +15,22 @@
 namespace pycomm::shm {
 
 namespace {
+// Wait for one phase of a hierarchical operation; a failure names the operation (with
+// `detail`, e.g. the block), the rank's place in the hierarchy and the phase.
+void wait_phase(const char* op, uint64_t seq, const std::string& detail, int rank, int host,
+                int hosts, const c10d::Backend& local, const char* what,
+                const c10::intrusive_ptr<c10d::Work>& w) {
+  try {
+    w->wait();
+  } catch (const std::exception& e) {
+    std::string why = e.what();
+    if (auto* c = dynamic_cast<const c10::Error*>(&e)) why = c->what_without_backtrace();
+    TORCH_CHECK_WITH(DistBackendError, false, "pycomm ", op, " #", seq, " (hierarchical", detail,
+                     ") on rank ", rank, " (host ", host, " of ", hosts, ", local rank ",
+                     local.getRank(), " of ", local.getSize(), "): ", what, " failed: ", why);
+  }
+}
+
 // Elements per piece of a block (See Note [Hierarchical pipeline]): 2 MiB crosses a
 // 1 Gbit/s link in 17 ms, and a host's reduce-scatter of its block takes about 1 ms.
 constexpr int64_t kPieceBytes = 2 << 20;
@@ -64,17 +80,9 @@ class BlockPipeline {
   };
 
   void wait(const char* what, int64_t block, const c10::intrusive_ptr<c10d::Work>& w) const {
-    try {
-      w->wait();
-    } catch (const std::exception& e) {
-      std::string why = e.what();
-      if (auto* c = dynamic_cast<const c10::Error*>(&e)) why = c->what_without_backtrace();
-      TORCH_CHECK_WITH(DistBackendError, false, "pycomm ", where_.op, " #", where_.seq,
-                       " (hierarchical, ", n_, " elements, block ", block, " of ", blocks_,
-                       ") on rank ", where_.rank, " (host ", where_.host, " of ", where_.hosts,
-                       ", local rank ", local_.getRank(), " of ", L_, "): ", what,
-                       " failed: ", why);
-    }
+    wait_phase(where_.op, where_.seq,
+               c10::str(", ", n_, " elements, block ", block, " of ", blocks_), where_.rank,
+               where_.host, where_.hosts, local_, what, w);
   }
 
   void reduce_within(int64_t b) {
@@ -114,22 +122,6 @@ class BlockPipeline {
   const int64_t n_, L_, block_max_, blocks_;
   std::vector<Block> state_;
 };
-
-// Wait for one phase of a hierarchical operation; a failure names the operation, the
-// rank's place in the hierarchy and the phase.
-void wait_phase(const char* op, uint64_t seq, int rank, int host, int hosts,
-                const c10d::Backend& local, const char* what,
-                const c10::intrusive_ptr<c10d::Work>& w) {
-  try {
-    w->wait();
-  } catch (const std::exception& e) {
-    std::string why = e.what();
-    if (auto* c = dynamic_cast<const c10::Error*>(&e)) why = c->what_without_backtrace();
-    TORCH_CHECK_WITH(DistBackendError, false, "pycomm ", op, " #", seq, " (hierarchical) on rank ",
-                     rank, " (host ", host, " of ", hosts, ", local rank ", local.getRank(), " of ",
-                     local.getSize(), "): ", what, " failed: ", why);
-  }
-}
 
 }  // namespace
 
@@ -274,13 +266,13 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, const at::Tensor& output,
   c10d::ReduceScatterOptions rs;
   rs.reduceOp = c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce);
   at::Tensor mine = at::empty({H * s}, input.options());
-  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the reduce-scatter within the host",
+  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the reduce-scatter within the host",
              local_->_reduce_scatter_base(mine, chunks, rs));
   // 3. across hosts: range h of `mine` goes to host h; this rank's range comes back from each
   at::Tensor theirs = at::empty({H * s}, input.options());
   std::vector<int64_t> equal;  // empty splits: equal ones
   c10d::AllToAllOptions a2a;
-  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the all-to-all across hosts",
+  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the all-to-all across hosts",
              cross_->alltoall_base(theirs, mine, equal, equal, a2a));
   Dense out(output);
   std::vector<const void*> srcs;
@@ -299,10 +291,10 @@ void HierBackend::all_gather_tensor(uint64_t seq, const at::Tensor& output,
   at::Tensor mine = at::empty({H * s}, input.options());
   at::Tensor in = input.contiguous().view({-1});
   c10d::AllgatherOptions ag;
-  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the all-gather across hosts",
+  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the all-gather across hosts",
              cross_->_allgather_base(mine, in, ag));
   at::Tensor chunks = at::empty({output.numel()}, output.options());
-  wait_phase(op, seq, rank_, host_, hosts_, *local_, "the all-gather within the host",
+  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the all-gather within the host",
              local_->_allgather_base(chunks, mine, ag));
   Dense out(output);
   permute(out.work.view({-1}), chunks, s, /*to_chunks=*/false);
