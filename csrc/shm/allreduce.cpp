@@ -8,6 +8,7 @@
 
 #include "shm/collectives.h"
 #include "shm/reduce_kernels.h"
+#include "shm/target.h"
 
 namespace pycomm::shm {
 
@@ -46,36 +47,6 @@ constexpr size_t kWholeReduceBytes = 256 * 1024;
 constexpr unsigned kInlinePeers = 16;
 
 }  // namespace
-
-// Where an all-reduce's elements live: one buffer, or pieces read scaled and written back
-// (Channel::allreduce_pieces). Byte offsets are from the start of the whole.
-struct Channel::Target {
-  char* data;
-  const Pieces* pieces;
-  c10::ScalarType dtype;
-  double scale;
-
-  // to[0, len) = the elements at [at, at + len), scaled (pieces) or as they are (data).
-  void take(char* to, size_t at, size_t len) const {
-    if (pieces == nullptr) {
-      std::memcpy(to, data + at, len);
-      return;
-    }
-    const size_t elem = c10::elementSize(dtype);
-    pieces->each(at, len, [&](char* piece, size_t off, size_t n) {
-      scale_copy(dtype, to + off, piece, static_cast<int64_t>(n / elem), scale);
-    });
-  }
-  // The elements at [at, at + len) = from[0, len).
-  void put(size_t at, const char* from, size_t len) const {
-    if (pieces == nullptr) {
-      std::memcpy(data + at, from, len);
-      return;
-    }
-    pieces->each(at, len,
-                 [&](char* piece, size_t off, size_t n) { std::memcpy(piece, from + off, n); });
-  }
-};
 
 void Channel::allreduce(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                         const OpContext& ctx) {

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "shm/reduce_kernels.h"
+#include "shm/target.h"
 
 namespace pycomm::shm {
 
@@ -264,6 +265,12 @@ void Channel::allgather(const char* in, size_t bytes, const std::vector<char*>& 
 
 void Channel::reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
                              c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+  reduce_scatter_target(Target{const_cast<char*>(in), nullptr, dtype, 1.0}, out, n, op, ctx);
+}
+
+void Channel::reduce_scatter_target(const Target& in, char* out, int64_t n,
+                                    c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+  const c10::ScalarType dtype = in.dtype;
   start_op(OpKind::kReduceScatter, dtype, n, ctx);
   const size_t elem = c10::elementSize(dtype);
   const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / world_ / elem);
@@ -273,11 +280,11 @@ void Channel::reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarTy
     const size_t block = len * elem;
     char* mine = begin_round();
     for (int p = 0; p < world_; ++p) {
-      if (p != rank_) std::memcpy(mine + p * block, in + (p * n + off) * elem, block);
+      if (p != rank_) in.take(mine + p * block, (p * n + off) * elem, block);
     }
     phase(ctx);
     for (int p = 0; p < world_; ++p) {
-      srcs[p] = p == rank_ ? in + (p * n + off) * elem : peer_slot(p) + rank_ * block;
+      srcs[p] = p == rank_ ? in.data + (p * n + off) * elem : peer_slot(p) + rank_ * block;
     }
     reduce_buffers(dtype, op, out + off * elem, srcs.data(), world_, len, world_);
   }

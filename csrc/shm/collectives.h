@@ -152,13 +152,15 @@ class Channel {
   void phase(const OpContext& ctx);
   // Wait until every other rank's step has reached `target`.
   void wait_peers(uint32_t target, const OpContext& ctx);
-  struct Target;  // allreduce.cpp
+  struct Target;  // target.h
   void allreduce_target(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                         const OpContext& ctx);
   void allreduce_whole(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                        const OpContext& ctx);
   void allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                            const OpContext& ctx);
+  void reduce_scatter_target(const Target& in, char* out, int64_t n, c10d::ReduceOp::RedOpType op,
+                             const OpContext& ctx);
   void reduce_chunk(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                     int root, const OpContext& ctx);
   void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
