@@ -119,7 +119,11 @@ void bind_hier(pybind11::module& m) {
       .def_property_readonly("host", &shm::HierBackend::host, "this rank's host (0-based)")
       .def_property_readonly("hosts", &shm::HierBackend::hosts, "the number of hosts")
       .def_property_readonly("local", &shm::HierBackend::local,
-                             "the shared-memory group of this rank's host");
+                             "the shared-memory group of this rank's host")
+      .def_property("piece_bytes", &shm::HierBackend::piece_bytes,
+                    &shm::HierBackend::set_piece_bytes,
+                    "bytes per rank that cross hosts per step of the pipelines (See Note "
+                    "[Hierarchical pipeline]); every rank of the group must set the same");
 }
 
 }  // namespace

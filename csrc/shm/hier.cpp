@@ -31,10 +31,6 @@ void wait_phase(const char* op, uint64_t seq, const std::string& detail, int ran
   }
 }
 
-// Elements per piece of a block (See Note [Hierarchical pipeline]): 2 MiB crosses a
-// 1 Gbit/s link in 17 ms, and a host's reduce-scatter of its block takes about 1 ms.
-constexpr int64_t kPieceBytes = 2 << 20;
-
 // One hierarchical all-reduce of `flat` (See Note [Hierarchical pipeline]): blocks of L
 // pieces, each reduce-scattered within the host, its piece all-reduced across hosts on
 // Gloo's threads while the next block is reduce-scattered, then all-gathered within the
@@ -49,7 +45,7 @@ class BlockPipeline {
   };
 
   BlockPipeline(Where where, at::Tensor flat, c10d::Backend& local, c10d::Backend& cross,
-                c10d::ReduceOp op)
+                c10d::ReduceOp op, int64_t piece_bytes)
       : where_(where),
         flat_(std::move(flat)),
         local_(local),
@@ -59,7 +55,7 @@ class BlockPipeline {
         L_(local.getSize()),
         // The last block may be shorter, and is padded to a multiple of L in a buffer of
         // its own.
-        block_max_(std::max<int64_t>(1, kPieceBytes / flat_.element_size()) * L_),
+        block_max_(std::max<int64_t>(1, piece_bytes / flat_.element_size()) * L_),
         blocks_((n_ + block_max_ - 1) / block_max_),
         state_(blocks_) {}
 
@@ -167,7 +163,9 @@ c10::intrusive_ptr<c10d::Work> HierBackend::allreduce(std::vector<at::Tensor>& t
   check_reduction("all_reduce", t.scalar_type(), opts.reduceOp);
   const auto reduce = opts.reduceOp.op_;
   return enqueue("all_reduce", c10d::OpType::ALLREDUCE, {t},
-                 [this, t, reduce](uint64_t seq) { run("all_reduce", seq, t, reduce); });
+                 [this, t, reduce, piece = piece_bytes_](uint64_t seq) {
+                   run("all_reduce", seq, piece, t, reduce);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> HierBackend::allreduce_coalesced(
@@ -178,8 +176,10 @@ c10::intrusive_ptr<c10d::Work> HierBackend::allreduce_coalesced(
   }
   const auto reduce = opts.reduceOp.op_;
   return enqueue("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
-                 [this, tensors, reduce](uint64_t seq) {
-                   for (const auto& t : tensors) run("all_reduce_coalesced", seq, t, reduce);
+                 [this, tensors, reduce, piece = piece_bytes_](uint64_t seq) {
+                   for (const auto& t : tensors) {
+                     run("all_reduce_coalesced", seq, piece, t, reduce);
+                   }
                  });
 }
 
@@ -190,8 +190,8 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_reduce_scatter_base(
   check_reduction("reduce_scatter_tensor", output.scalar_type(), opts.reduceOp);
   const auto reduce = opts.reduceOp.op_;
   return enqueue("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                 [this, output, input, reduce](uint64_t seq) {
-                   reduce_scatter_tensor(seq, output, input, reduce);
+                 [this, output, input, reduce, piece = piece_bytes_](uint64_t seq) {
+                   reduce_scatter_tensor(seq, piece, output, input, reduce);
                  });
 }
 
@@ -200,7 +200,9 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_allgather_base(at::Tensor& output, 
   check_dense("all_gather_into_tensor", input);
   check_like("all_gather_into_tensor", output, input, input.numel() * size_);
   return enqueue("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output},
-                 [this, output, input](uint64_t seq) { all_gather_tensor(seq, output, input); });
+                 [this, output, input, piece = piece_bytes_](uint64_t seq) {
+                   all_gather_tensor(seq, piece, output, input);
+                 });
 }
 
 c10::intrusive_ptr<c10d::Work> HierBackend::enqueue(const char* op, c10d::OpType type,
@@ -227,7 +229,13 @@ c10::intrusive_ptr<c10d::Work> HierBackend::enqueue(const char* op, c10d::OpType
   return work;
 }
 
-void HierBackend::run(const char* op, uint64_t seq, const at::Tensor& t,
+void HierBackend::set_piece_bytes(int64_t bytes) {
+  TORCH_CHECK_VALUE(bytes > 0, "pycomm hierarchical group: piece_bytes must be positive, got ",
+                    bytes);
+  piece_bytes_ = bytes;
+}
+
+void HierBackend::run(const char* op, uint64_t seq, int64_t piece_bytes, const at::Tensor& t,
                       c10d::ReduceOp::RedOpType reduce) {
   Dense d(t);
   if (d.work.numel() == 0) return;
@@ -235,69 +243,135 @@ void HierBackend::run(const char* op, uint64_t seq, const at::Tensor& t,
   // Gloo has no AVG: sum in both stages, divide once at the end.
   const bool average = reduce == c10d::ReduceOp::AVG;
   BlockPipeline({op, seq, rank_, host_, hosts_}, flat, *local_, *cross_,
-                c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce))
+                c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce), piece_bytes)
       .run();
   if (average) flat.div_(size_);
   d.write_back();
 }
 
 void HierBackend::permute(const at::Tensor& group_order, const at::Tensor& chunk_order, int64_t s,
-                          bool to_chunks) const {
+                          int64_t begin, int64_t len, bool to_chunks) const {
   const int64_t L = local_->getSize();
   for (int64_t l = 0; l < L; ++l) {
     for (int64_t h = 0; h < hosts_; ++h) {
-      at::Tensor chunk = chunk_order.narrow(0, (l * hosts_ + h) * s, s);
-      at::Tensor range = group_order.narrow(0, ranks_[h][l] * s, s);
+      at::Tensor chunk = chunk_order.narrow(0, (l * hosts_ + h) * len, len);
+      at::Tensor range = group_order.narrow(0, ranks_[h][l] * s + begin, len);
       to_chunks ? chunk.copy_(range) : range.copy_(chunk);
     }
   }
 }
 
-void HierBackend::reduce_scatter_tensor(uint64_t seq, const at::Tensor& output,
+// Elements of each rank's range per block of the tensor forms' pipelines.
+static int64_t block_elements(int64_t piece_bytes, const at::Tensor& t) {
+  return std::max<int64_t>(1, piece_bytes / t.element_size());
+}
+
+void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
                                         const at::Tensor& input, c10d::ReduceOp::RedOpType reduce) {
   const char* op = "reduce_scatter_tensor";
-  const int64_t s = output.numel(), H = hosts_;
+  const int64_t s = output.numel(), H = hosts_, L = local_->getSize();
   if (s == 0) return;
-  // 1. the chunk order (a copy: the output may be the rank's own range of the input)
-  at::Tensor chunks = at::empty({input.numel()}, input.options());
-  permute(input.contiguous().view({-1}), chunks, s, /*to_chunks=*/true);
-  // 2. within the host; Gloo has no AVG, so both stages sum and the last divides
+  const int64_t c = block_elements(piece_bytes, output), blocks = (s + c - 1) / c;
+  const at::Tensor in = input.contiguous().view({-1});
+  Dense out(output);
+  char* result = static_cast<char*>(out.work.data_ptr());
+  // Gloo has no AVG, so both stages sum and the last divides.
   const bool average = reduce == c10d::ReduceOp::AVG;
   c10d::ReduceScatterOptions rs;
   rs.reduceOp = c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce);
-  at::Tensor mine = at::empty({H * s}, input.options());
-  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the reduce-scatter within the host",
-             local_->_reduce_scatter_base(mine, chunks, rs));
-  // 3. across hosts: range h of `mine` goes to host h; this rank's range comes back from each
-  at::Tensor theirs = at::empty({H * s}, input.options());
-  std::vector<int64_t> equal;  // empty splits: equal ones
-  c10d::AllToAllOptions a2a;
-  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the all-to-all across hosts",
-             cross_->alltoall_base(theirs, mine, equal, equal, a2a));
-  Dense out(output);
-  std::vector<const void*> srcs;
-  for (int64_t h = 0; h < H; ++h) srcs.push_back(theirs.narrow(0, h * s, s).const_data_ptr());
-  reduce_buffers(output.scalar_type(), reduce, out.work.data_ptr(), srcs.data(),
-                 static_cast<int>(H), s, size_);
+  struct Block {
+    int64_t begin = 0, len = 0;
+    at::Tensor theirs;  // this rank's block from every host, in host order
+    c10::intrusive_ptr<c10d::Work> across;
+  };
+  std::vector<Block> state(blocks);
+  auto detail = [&](int64_t j) {
+    return c10::str(", ", s, " elements per rank, block ", j, " of ", blocks);
+  };
+  // Block j: into the chunk order (a copy: the output may be the rank's own range of the
+  // input), reduce-scattered within the host, then across hosts on Gloo's threads: range
+  // h of `mine` goes to host h, this rank's range comes back from each.
+  auto within = [&](int64_t j) {
+    Block& k = state[j];
+    k.begin = j * c;
+    k.len = std::min(c, s - k.begin);
+    at::Tensor chunks = at::empty({L * H * k.len}, in.options());
+    permute(in, chunks, s, k.begin, k.len, /*to_chunks=*/true);
+    at::Tensor mine = at::empty({H * k.len}, in.options());
+    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_,
+               "the reduce-scatter within the host",
+               local_->_reduce_scatter_base(mine, chunks, rs));
+    k.theirs = at::empty({H * k.len}, in.options());
+    std::vector<int64_t> equal;  // empty splits: equal ones
+    c10d::AllToAllOptions a2a;
+    k.across = cross_->alltoall_base(k.theirs, mine, equal, equal, a2a);
+  };
+  // Block j's H ranges summed in host order into the output.
+  auto finish = [&](int64_t j) {
+    Block& k = state[j];
+    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_, "the all-to-all across hosts",
+               k.across);
+    std::vector<const void*> srcs;
+    for (int64_t h = 0; h < H; ++h) {
+      srcs.push_back(k.theirs.narrow(0, h * k.len, k.len).const_data_ptr());
+    }
+    reduce_buffers(output.scalar_type(), reduce, result + k.begin * output.element_size(),
+                   srcs.data(), static_cast<int>(H), k.len, size_);
+    k = Block{};
+  };
+  for (int64_t j = 0; j < blocks; ++j) {
+    within(j);
+    if (j > 0) finish(j - 1);
+  }
+  finish(blocks - 1);
   out.write_back();
 }
 
-void HierBackend::all_gather_tensor(uint64_t seq, const at::Tensor& output,
+void HierBackend::all_gather_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
                                     const at::Tensor& input) {
   const char* op = "all_gather_into_tensor";
-  const int64_t s = input.numel(), H = hosts_;
+  const int64_t s = input.numel(), H = hosts_, L = local_->getSize();
   if (s == 0) return;
-  // across hosts first: chunk l of this host, ranges of ranks[0][l], ..., ranks[H-1][l]
-  at::Tensor mine = at::empty({H * s}, input.options());
-  at::Tensor in = input.contiguous().view({-1});
-  c10d::AllgatherOptions ag;
-  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the all-gather across hosts",
-             cross_->_allgather_base(mine, in, ag));
-  at::Tensor chunks = at::empty({output.numel()}, output.options());
-  wait_phase(op, seq, "", rank_, host_, hosts_, *local_, "the all-gather within the host",
-             local_->_allgather_base(chunks, mine, ag));
+  const int64_t c = block_elements(piece_bytes, input), blocks = (s + c - 1) / c;
+  const at::Tensor in = input.contiguous().view({-1});
   Dense out(output);
-  permute(out.work.view({-1}), chunks, s, /*to_chunks=*/false);
+  const at::Tensor home = out.work.view({-1});
+  struct Block {
+    int64_t begin = 0, len = 0;
+    at::Tensor mine;  // chunk l of this host: block j of ranks[0][l], ..., ranks[H-1][l]
+    c10::intrusive_ptr<c10d::Work> across;
+  };
+  std::vector<Block> state(blocks);
+  auto detail = [&](int64_t j) {
+    return c10::str(", ", s, " elements per rank, block ", j, " of ", blocks);
+  };
+  // Block j across hosts first, on Gloo's threads.
+  auto cross = [&](int64_t j) {
+    Block& k = state[j];
+    k.begin = j * c;
+    k.len = std::min(c, s - k.begin);
+    k.mine = at::empty({H * k.len}, in.options());
+    at::Tensor part = in.narrow(0, k.begin, k.len);
+    c10d::AllgatherOptions ag;
+    k.across = cross_->_allgather_base(k.mine, part, ag);
+  };
+  // Then within the host, and the ranges home.
+  auto within = [&](int64_t j) {
+    Block& k = state[j];
+    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_, "the all-gather across hosts",
+               k.across);
+    at::Tensor chunks = at::empty({L * H * k.len}, in.options());
+    c10d::AllgatherOptions ag;
+    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_, "the all-gather within the host",
+               local_->_allgather_base(chunks, k.mine, ag));
+    permute(home, chunks, s, k.begin, k.len, /*to_chunks=*/false);
+    k = Block{};
+  };
+  cross(0);
+  for (int64_t j = 0; j < blocks; ++j) {
+    if (j + 1 < blocks) cross(j + 1);
+    within(j);
+  }
   out.write_back();
 }
 

@@ -155,11 +155,26 @@ def test_ddp_uses_the_hierarchy(hierarchical):
     run_ranks(_ddp_hierarchical, world_size=4, hierarchical=hierarchical)
 
 
+def _hierarchical_sum(x_of, ranks):
+    """The sum the hierarchy computes in float32, in its order: each host's ranks in local
+    rank order, then the hosts in order (Note [Hierarchical reduce-scatter and
+    all-gather])."""
+    total = None
+    for host in ranks:
+        part = x_of[host[0]].clone()
+        for r in host[1:]:
+            part += x_of[r]
+        total = part if total is None else total + part
+    return total
+
+
 def _rs_ag(rank, world, hosts, interleaved):
     """reduce_scatter_tensor and all_gather_into_tensor on a hierarchical group (Note
     [Hierarchical reduce-scatter and all-gather] in csrc/shm/hier.h) against flat Gloo's,
     out of place and in place (as a sharded optimizer calls them), with the group's ranks
-    on the hosts in blocks or interleaved (host = rank mod hosts)."""
+    on the hosts in blocks or interleaved (host = rank mod hosts); then again with a piece
+    small enough that the pipelines run over many blocks, the last one short, the float32
+    sums checked bit for bit against the hierarchy's order."""
     if interleaved:
         pycomm.shm.host_identity = lambda: f"host{rank % hosts}/boot"
     else:
@@ -168,47 +183,71 @@ def _rs_ag(rank, world, hosts, interleaved):
     assert group is not None
     local = pycomm.shm.hierarchy(group)
     assert local["hosts"] == hosts and local["ranks_per_host"] == world // hosts
+    places = [None] * world
+    dist.all_gather_object(places, (local["host"], local["local_rank"]))
+    ranks = [[r for r, _ in sorted(((r, p) for r, p in enumerate(places) if p[0] == h),
+                                   key=lambda rp: rp[1][1])] for h in range(hosts)]
 
     def shm_ops():
         st = pycomm.shm.stats(group)
         return st["ops_on_caller_thread"] + st["ops_on_worker_thread"]
 
+    def check(s, dtype, op):
+        what = f"s={s} {dtype} {op} piece={backend.piece_bytes}"
+        g = torch.Generator().manual_seed(s * 7 + rank)
+        x = (torch.randn(world * s, generator=g) * 100).to(dtype)
+        want = x.clone().to(torch.float64) if dtype == torch.bfloat16 else x.clone()
+        if op == dist.ReduceOp.AVG:
+            dist.all_reduce(want)
+            want /= world
+        else:
+            dist.all_reduce(want, op=op)
+        want = want[rank * s:(rank + 1) * s]
+        exact = None
+        if dtype == torch.float32 and op == dist.ReduceOp.SUM:
+            every = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(every, x)
+            exact = _hierarchical_sum(every, ranks)[rank * s:(rank + 1) * s]
+        before = shm_ops()
+        out = torch.empty(s, dtype=dtype)
+        dist.reduce_scatter_tensor(out, x.clone(), op=op, group=group)
+        assert s == 0 or shm_ops() > before, f"{what}: not reduced through shared memory"
+        buf = x.clone()  # in place: the output is the rank's own range of the input
+        dist.reduce_scatter_tensor(buf[rank * s:(rank + 1) * s], buf, op=op, group=group)
+        for got in (out, buf[rank * s:(rank + 1) * s]):
+            if dtype == torch.int64 or op == dist.ReduceOp.MAX:
+                assert torch.equal(got, want), what
+            elif exact is not None:
+                assert torch.equal(got, exact), what
+            else:  # by host, then across hosts: another order than Gloo's ring
+                tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(got.to(want.dtype), want, rtol=tol,
+                                           atol=tol * 100, msg=what)
+        y = x[:s].clone()
+        flat = torch.empty(world * s, dtype=dtype)
+        dist.all_gather_into_tensor(flat, y)
+        gathered = torch.empty(world * s, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, y, group=group)
+        assert torch.equal(gathered, flat), what
+        gathered.zero_()[rank * s:(rank + 1) * s] = y  # in place
+        dist.all_gather_into_tensor(gathered, gathered[rank * s:(rank + 1) * s], group=group)
+        assert torch.equal(gathered, flat), what
+
+    cases = [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
+             (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
+             (torch.bfloat16, dist.ReduceOp.SUM)]
+    backend = group._get_backend(torch.device("cpu"))
+    assert backend.piece_bytes == 2 << 20
     for s in (0, 1, 3, 1000, 70_001):
-        for dtype, op in [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
-                          (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
-                          (torch.bfloat16, dist.ReduceOp.SUM)]:
-            what = f"s={s} {dtype} {op}"
-            g = torch.Generator().manual_seed(s * 7 + rank)
-            x = (torch.randn(world * s, generator=g) * 100).to(dtype)
-            want = x.clone().to(torch.float64) if dtype == torch.bfloat16 else x.clone()
-            if op == dist.ReduceOp.AVG:
-                dist.all_reduce(want)
-                want /= world
-            else:
-                dist.all_reduce(want, op=op)
-            want = want[rank * s:(rank + 1) * s]
-            before = shm_ops()
-            out = torch.empty(s, dtype=dtype)
-            dist.reduce_scatter_tensor(out, x.clone(), op=op, group=group)
-            assert s == 0 or shm_ops() > before, f"{what}: not reduced through shared memory"
-            buf = x.clone()  # in place: the output is the rank's own range of the input
-            dist.reduce_scatter_tensor(buf[rank * s:(rank + 1) * s], buf, op=op, group=group)
-            for got in (out, buf[rank * s:(rank + 1) * s]):
-                if dtype == torch.int64 or op == dist.ReduceOp.MAX:
-                    assert torch.equal(got, want), what
-                else:  # by host, then across hosts: another order than Gloo's ring
-                    tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
-                    torch.testing.assert_close(got.to(want.dtype), want, rtol=tol,
-                                               atol=tol * 100, msg=what)
-            y = x[:s].clone()
-            flat = torch.empty(world * s, dtype=dtype)
-            dist.all_gather_into_tensor(flat, y)
-            gathered = torch.empty(world * s, dtype=dtype)
-            dist.all_gather_into_tensor(gathered, y, group=group)
-            assert torch.equal(gathered, flat), what
-            gathered.zero_()[rank * s:(rank + 1) * s] = y  # in place
-            dist.all_gather_into_tensor(gathered, gathered[rank * s:(rank + 1) * s], group=group)
-            assert torch.equal(gathered, flat), what
+        for dtype, op in cases:
+            check(s, dtype, op)
+    # 1 KiB pieces: 256 float32 per block, so 1000 takes 4 blocks and 4099 17, the last short
+    backend.piece_bytes = 1024
+    for s in (1000, 4099):
+        for dtype, op in cases:
+            check(s, dtype, op)
+    with pytest.raises(ValueError, match="piece_bytes must be positive, got 0"):
+        backend.piece_bytes = 0
     with pytest.raises(ValueError, match="reduce_scatter_tensor: expected a Float tensor of "):
         dist.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world + 1), group=group)
 
