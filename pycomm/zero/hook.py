@@ -60,6 +60,18 @@ def _free(buf: torch.Tensor) -> None:
     buf.untyped_storage().resize_(0)
 
 
+def _kept(state: HookState, index: int, buf: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """What the rank keeps of bucket `index` (buffer `buf`): its range and the tail, back to
+    back, reused from step to step; and whether this backward's sums add to it (it holds
+    an earlier synchronized backward's since the optimizer's zero_grad)."""
+    mine = buf.numel() - (state.world - 1) * (buf.numel() // state.world)
+    out = state.grads.get(index)
+    add = index in state.fresh and out is not None and out.numel() == mine
+    if out is None or out.numel() != mine or out.dtype != buf.dtype:
+        out = state.grads[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
+    return out, add
+
+
 def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer] in
     optimizer.py):
@@ -88,16 +100,11 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
             return buf
 
         return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
-    # What the rank keeps: its range and the tail, back to back, reused from step to step.
     # Unless it adds to what an earlier backward kept, or the bucket stays (not released:
     # its range must hold the average too), the reduce-scatter writes the range straight
-    # into it (one pass over the range fewer than reducing in place and copying).
-    mine = buf.numel() - (world - 1) * s
-    kept = state.grads
-    out = kept.get(index)
-    add = index in state.fresh and out is not None and out.numel() == mine
-    if out is None or out.numel() != mine or out.dtype != buf.dtype:
-        out = kept[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
+    # into what the rank keeps (one pass over the range fewer than reducing in place and
+    # copying).
+    out, add = _kept(state, index, buf)
     direct = state.reduce_scatter and state.release and not add
     futures = []
     if state.reduce_scatter:
