@@ -39,16 +39,23 @@ std::string error_message(const c10::ivalue::Future& future);
 
 // What a backend offers beyond c10d's API: an asynchronous sum all-reduce of several
 // tensors as one buffer (in list order), each rank's elements multiplied by `scale` first,
-// results written back in place (a DDP bucket reduced where its gradients are), and a sum
-// all-reduce of one tensor; both carry `label`, which the backend compares across ranks
-// (See Note [Collective identity] in shm/collectives.cpp). pycomm's shared-memory backend
-// offers it (See Note [Pieces all-reduce] in shm/allreduce.cpp); the reducer asks for it
-// here and knows no backend by name.
+// results written back in place (a DDP bucket reduced where its gradients are); the same
+// buffer's sum reduce-scattered (a sharded optimizer's bucket, the tensors only read); and
+// a sum all-reduce of one tensor. All carry `label`, which the backend compares across
+// ranks (See Note [Collective identity] in shm/collectives.cpp). pycomm's shared-memory
+// backend offers it (See Note [Pieces all-reduce] in shm/allreduce.cpp); the reducer asks
+// for it here and knows no backend by name.
 class BucketAllreduce {
  public:
   virtual ~BucketAllreduce() = default;
   virtual WorkPtr allreduce_pieces(std::vector<at::Tensor> tensors, double scale,
                                    const OpLabel& label) = 0;
+  // With n elements in all over W ranks: `out` (n / W + n mod W elements) receives this
+  // rank's range [r x n / W, (r + 1) x n / W) of the sum, then the sum of the last n mod W
+  // elements, which every rank gets: the collectives reduce_scatter_tensor of the range
+  // and all_reduce of the tail of a bucket pre-scaled.
+  virtual WorkPtr reduce_scatter_pieces(std::vector<at::Tensor> tensors, double scale,
+                                        at::Tensor out, const OpLabel& label) = 0;
   virtual WorkPtr allreduce_sum(at::Tensor tensor, const OpLabel& label) = 0;
 };
 

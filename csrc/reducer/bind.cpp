@@ -162,16 +162,24 @@ void bind_reducer(py::module& m) {
            "[(address, 'hostname: ranks ...')] per host, named in failure messages")
       .def(
           "register_comm_hook",
-          [](Reducer& r, py::object state, py::object hook, bool pre_divided, bool between_steps) {
+          [](Reducer& r, py::object state, py::object hook, bool pre_divided, bool between_steps,
+             py::object in_place_hook) {
             r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
-                                                                      std::move(hook), pre_divided),
+                                                                      std::move(hook), pre_divided,
+                                                                      std::move(in_place_hook),
+                                                                      r.process_group()),
                             between_steps);
           },
           py::arg("state"), py::arg("hook"), py::arg("pre_divided") = false,
-          py::arg("between_steps") = false,
+          py::arg("between_steps") = false, py::arg("in_place_hook") = py::none(),
           "pre_divided: the reducer scales each gradient by 1/world into the bucket and the "
           "hook only sums (See PythonCommHook in csrc/reducer/comm_hook.h); between_steps: "
-          "also after the first backward, while none runs (Reducer::set_comm_hook)")
+          "also after the first backward, while none runs (Reducer::set_comm_hook); "
+          "in_place_hook: the hook's form for gradients reduced where they are, used once "
+          "set_comm_hook_in_place(True)")
+      .def("set_comm_hook_in_place", &Reducer::set_comm_hook_in_place, py::arg("on"),
+           "whether the registered hook's in_place_hook reduces buckets from the next backward "
+           "on (over a pycomm shared-memory group)")
       .def("has_comm_hook", &Reducer::has_python_comm_hook)
       .def("set_release_gradients", &Reducer::set_release_gradients, py::arg("release"),
            "See Note [Released gradients] in csrc/reducer/launch.cpp")

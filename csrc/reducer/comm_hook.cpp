@@ -13,8 +13,10 @@ namespace pycomm::reducer {
 
 namespace py = pybind11;
 
-FuturePtr CommHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> /*grads*/,
-                                 double /*scale*/, const comm::OpLabel& /*label*/) {
+FuturePtr CommHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/,
+                                 const std::vector<at::Tensor>& /*params*/,
+                                 std::vector<at::Tensor> /*grads*/, double /*scale*/,
+                                 const comm::OpLabel& /*label*/) {
   TORCH_CHECK(false, "bucket ", bucket.index, ": this communication hook reduces buckets only");
 }
 
@@ -69,8 +71,10 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
       reduced->elementType());
 }
 
-FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, std::vector<at::Tensor> grads,
-                                         double scale, const comm::OpLabel& label) {
+FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/,
+                                         const std::vector<at::Tensor>& /*params*/,
+                                         std::vector<at::Tensor> grads, double scale,
+                                         const comm::OpLabel& label) {
   TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
               ": in-place reduction needs a pycomm shared-memory group");
   return finish(bucket_ops_->allreduce_pieces(std::move(grads), scale, label));
@@ -89,13 +93,23 @@ FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {
   return work->getFuture();
 }
 
-PythonCommHook::PythonCommHook(py::object state, py::object hook, bool pre_divided)
-    : state_(std::move(state)), hook_(std::move(hook)), pre_divided_(pre_divided) {}
+PythonCommHook::PythonCommHook(py::object state, py::object hook, bool pre_divided,
+                               py::object in_place_hook, const comm::ProcessGroupPtr& pg)
+    : state_(std::move(state)),
+      hook_(std::move(hook)),
+      pre_divided_(pre_divided),
+      in_place_hook_(std::move(in_place_hook)) {
+  if (!in_place_hook_.is_none() && pg) {
+    backend_ = comm::cpu_backend(pg);
+    bucket_ops_ = comm::bucket_allreduce(backend_);
+  }
+}
 
 PythonCommHook::~PythonCommHook() {
   py::gil_scoped_acquire gil;
   state_ = py::object();
   hook_ = py::object();
+  in_place_hook_ = py::object();
 }
 
 py::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
@@ -108,13 +122,11 @@ py::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
   return py::cast(std::move(grad_bucket));
 }
 
-FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
-                              const std::vector<at::Tensor>& params,
-                              const comm::OpLabel& /*label*/) {
+// The hook's call (`body`, under the GIL) and its future, errors naming the bucket.
+FuturePtr PythonCommHook::call(Bucket& bucket, const std::function<py::object()>& body) {
   py::gil_scoped_acquire gil;
   try {
-    py::object result = hook_(state_,
-                              make_grad_bucket(bucket, bucket_count, params, bucket.buffer));
+    py::object result = body();
     auto ivalue = torch::jit::toIValue(result, c10::FutureType::create(c10::AnyType::get()));
     return ivalue.toFuture();
   } catch (py::error_already_set& e) {
@@ -124,6 +136,37 @@ FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
     TORCH_CHECK(false, "communication hook must return a torch.futures.Future (bucket ",
                 bucket.index, ")");
   }
+}
+
+FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
+                              const std::vector<at::Tensor>& params,
+                              const comm::OpLabel& /*label*/) {
+  return call(bucket, [&] {
+    return hook_(state_, make_grad_bucket(bucket, bucket_count, params, bucket.buffer));
+  });
+}
+
+FuturePtr PythonCommHook::run_in_place(Bucket& bucket, size_t bucket_count,
+                                       const std::vector<at::Tensor>& params,
+                                       std::vector<at::Tensor> grads, double scale,
+                                       const comm::OpLabel& label) {
+  TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
+              ": in-place reduction needs a pycomm shared-memory group");
+  return call(bucket, [&] {
+    py::cpp_function reduce_into(
+        [ops = bucket_ops_, keep = backend_, grads = std::move(grads), scale,
+         label](at::Tensor out) {
+          FuturePtr done;
+          {
+            py::gil_scoped_release nogil;
+            done = ops->reduce_scatter_pieces(grads, scale, std::move(out), label)->getFuture();
+          }
+          return torch::jit::toPyObject(c10::IValue(done));
+        },
+        py::arg("out"));
+    return in_place_hook_(state_, make_grad_bucket(bucket, bucket_count, params, bucket.buffer),
+                          reduce_into);
+  });
 }
 
 at::Tensor result_tensor(const c10::IValue& value) {

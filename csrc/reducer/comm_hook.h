@@ -5,6 +5,8 @@
 
 #include <torch/csrc/utils/pybind.h>
 
+#include <functional>
+
 #include "comm/c10d.h"
 #include "reducer/bucket.h"
 
@@ -24,9 +26,12 @@ class CommHook {
   // Whether run_in_place can reduce a bucket's gradients where they are (See Note
   // [Gradients reduced in place] in reducer/in_place.cpp).
   virtual bool reduces_in_place() const { return false; }
-  // Start the sum of every rank's `grads` (the bucket's, in slot order) times `scale`,
-  // written back into them; the future completes when they hold it.
-  virtual FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
+  // Start reducing every rank's `grads` (the bucket's, in slot order) times `scale` where
+  // they are: the default all-reduce writes the sum back into them; the future completes
+  // when the hook's result is in place.
+  virtual FuturePtr run_in_place(Bucket& bucket, size_t bucket_count,
+                                 const std::vector<at::Tensor>& params,
+                                 std::vector<at::Tensor> grads, double scale,
                                  const comm::OpLabel& label);
   // Elements of the step label this hook exchanges before a step's first bucket (See Note
   // [Step labels over the group] in comm/step_label.cpp); 0: none. A joined rank's shadow
@@ -48,7 +53,8 @@ class AllreduceSumHook final : public CommHook {
   bool reducer_divides() const override { return true; }
   // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory).
   bool reduces_in_place() const override { return bucket_ops_ != nullptr; }
-  FuturePtr run_in_place(Bucket& bucket, std::vector<at::Tensor> grads, double scale,
+  FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
+                         std::vector<at::Tensor> grads, double scale,
                          const comm::OpLabel& label) override;
   // On a group whose backend compares no labels itself (Gloo, the hierarchy).
   int64_t step_label_elements() const override;
@@ -70,16 +76,37 @@ class PythonCommHook final : public CommHook {
   // `pre_divided`: the reducer scales each gradient by 1/world as it copies it into the
   // bucket, as without a hook, and the hook only sums (pycomm.ZeroRedundancyOptimizer's:
   // DDP's numerics, no overflow of a low-precision sum); torch's hooks divide themselves.
-  PythonCommHook(pybind11::object state, pybind11::object hook, bool pre_divided = false);
+  // `in_place_hook` (None: none; pycomm.ZeroRedundancyOptimizer's): the hook of a bucket
+  // whose gradients stay where they are (Note [Gradients reduced in place] in
+  // reducer/in_place.cpp), in_place_hook(state, bucket, reduce_into) -> Future, where
+  // reduce_into(out) starts the reduce-scatter of the gradients as one buffer into `out`
+  // (this rank's range, then the tail every rank gets: comm::BucketAllreduce's
+  // reduce_scatter_pieces on `pg`) and returns its torch.futures.Future; used while
+  // set_in_place(true) and `pg`'s CPU backend offers it.
+  PythonCommHook(pybind11::object state, pybind11::object hook, bool pre_divided = false,
+                 pybind11::object in_place_hook = pybind11::none(),
+                 const comm::ProcessGroupPtr& pg = nullptr);
   ~PythonCommHook() override;
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return pre_divided_; }
+  bool reduces_in_place() const override { return in_place_ && bucket_ops_ != nullptr; }
+  FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
+                         std::vector<at::Tensor> grads, double scale,
+                         const comm::OpLabel& label) override;
+  // Whether buckets use in_place_hook from the next backward on (the reducer's lock held).
+  void set_in_place(bool on) { in_place_ = on && !in_place_hook_.is_none(); }
 
  private:
+  FuturePtr call(Bucket& bucket, const std::function<pybind11::object()>& body);
+
   pybind11::object state_;
   pybind11::object hook_;
   bool pre_divided_;
+  pybind11::object in_place_hook_;
+  bool in_place_ = false;
+  c10::intrusive_ptr<c10d::Backend> backend_;    // keeps bucket_ops_ alive
+  comm::BucketAllreduce* bucket_ops_ = nullptr;  // what backend_ offers, if it does
 };
 
 // A real torch GradBucket over `bucket` (its buffer, or `buffer` when given).

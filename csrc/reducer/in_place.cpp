@@ -16,9 +16,12 @@ namespace pycomm::reducer {
 // arithmetic in the same order, so param.grad ends with the bits the bucket would have
 // given it. The hooks then only count, and finalize has nothing to copy.
 //
-// It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place)
-// when nothing else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
-// is the bucket there), a comm hook, a bucket callback that reads the buffer, a launch
+// It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place),
+// and to pycomm.ZeroRedundancyOptimizer's reduce-scatter once its shards are final (its
+// Python hook's in-place form, Note [Pieces reduce-scatter] in shm/collectives.cpp: the
+// gradients are only read, the rank's range lands in the optimizer's shard), when nothing
+// else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
+// is the bucket there), another comm hook, a bucket callback that reads the buffer, a launch
 // gate, batched_grad_copy, find_unused_parameters or static_graph (an unused parameter's
 // slot is zeros that param.grad does not have), grad_reduce_dtype (the wide copy is the bucket),
 // nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient

@@ -4,6 +4,7 @@
 // finalize.cpp.
 #include <ATen/ScalarOps.h>
 #include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "reducer/reducer.h"
 #include "reducer/stream_copy.h"
@@ -102,7 +103,10 @@ void Reducer::mark_ready(size_t index, bool used) {
 // it is copied into its bucket (param.grad is None again); finalize leaves param.grad
 // alone. At any moment a rank holds the gradients not yet copied, the buckets filling or
 // in flight, and its shards. Under no_sync nothing is copied, so param.grad accumulates as
-// usual; batched_grad_copy drops the gradients at the bucket's one copy.
+// usual; batched_grad_copy drops the gradients at the bucket's one copy. A bucket reduced
+// in place (Note [Gradients reduced in place]: the optimizer's reduce-scatter straight from
+// param.grad) is never filled: its gradients stay in param.grad until its collective is
+// done, then are dropped (release_in_place), and its storage stays freed.
 static void ensure_storage(const at::Tensor& buffer) {
   const auto need = static_cast<size_t>((buffer.storage_offset() + buffer.numel()) *
                                         static_cast<int64_t>(buffer.element_size()));
@@ -161,6 +165,16 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   } else if (options_.gradient_as_bucket_view) {
     grad = view;
   }
+}
+
+// A bucket reduced where its gradients are, with set_release_gradients(true): its
+// parameters' gradients are dropped once its collective is done (Note [Released
+// gradients]). Under the GIL: Python code (a user's hook on another parameter, say) may
+// read param.grad meanwhile, and the GIL orders that read and this write.
+void Reducer::release_in_place(Bucket& bucket, const std::vector<at::Tensor>& params) {
+  pybind11::gil_scoped_acquire gil;
+  for (const auto& param : params) param.mutable_grad().reset();
+  bucket.grads.clear();
 }
 
 // Note [Bucket order]
@@ -237,12 +251,20 @@ void Reducer::launch(Bucket& bucket) {
     hook_->begin_step(label);
   }
   FuturePtr future = launches_in_place(bucket)
-                         ? hook_->run_in_place(bucket, bucket.grads, scale_value_, label)
+                         ? hook_->run_in_place(bucket, layout_.size(), params_, bucket.grads,
+                                               scale_value_, label)
                          : hook_->run(bucket, layout_.size(), params_, label);
   Bucket* target = &bucket;
   auto* callbacks = &post_done_;
+  // Reduced where they are, a sharded optimizer's gradients go once its hook kept its
+  // range (Note [Released gradients]).
+  std::vector<at::Tensor> released;
+  if (bucket.in_place && release_grads_) {
+    for (size_t index : bucket.params) released.push_back(params_[index]);
+  }
   bucket.future = future->then(
-      [target, callbacks, stamps = timing_.stamps()](c10::ivalue::Future& parent) -> c10::IValue {
+      [target, callbacks, stamps = timing_.stamps(),
+       released = std::move(released)](c10::ivalue::Future& parent) -> c10::IValue {
         const c10::IValue& value = parent.value();  // rethrows the collective's error
         target->done_ns.store(now_ns());
         if (stamps) target->done_stamp.store(stamps->stamp());
@@ -256,6 +278,7 @@ void Reducer::launch(Bucket& bucket) {
           if (!out.is_same(target->buffer)) target->buffer.copy_(out.view(target->buffer.sizes()));
         }
         for (auto& callback : *callbacks) callback(*target);
+        if (!released.empty()) release_in_place(*target, released);
         return target->buffer;
       },
       c10::TensorType::get());

@@ -178,6 +178,15 @@ void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps) 
   hook_ = std::move(hook);
 }
 
+void Reducer::set_comm_hook_in_place(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(state_ != State::kBackward,
+              "switch the communication hook's in-place form between steps, not during a backward");
+  auto* hook = dynamic_cast<PythonCommHook*>(hook_.get());
+  TORCH_CHECK(hook != nullptr, "no Python communication hook is registered");
+  hook->set_in_place(on);
+}
+
 void Reducer::add_pre_launch(BucketCallback callback) {
   std::lock_guard<std::mutex> lock(mutex_);
   pre_launch_.push_back(std::move(callback));

@@ -129,6 +129,9 @@ class Reducer {
   // [Wrapped after the optimizer] in pycomm/zero/optimizer.py). Which path a bucket takes
   // is decided per step, at its first hook.
   void set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps = false);
+  // Whether the Python hook's in-place form reduces buckets from the next backward on
+  // (See PythonCommHook in comm_hook.h); between backwards.
+  void set_comm_hook_in_place(bool on);
   bool has_python_comm_hook() const { return python_hook_; }
   // Elements of the label each synchronized step exchanges before its first bucket (See
   // Note [Step labels over the group] in comm/step_label.cpp); 0: none.
@@ -196,6 +199,7 @@ class Reducer {
   bool qualifies_in_place(const Bucket& bucket, size_t slot) const;
   void leave_in_place(Bucket& bucket, size_t except);
   bool launches_in_place(Bucket& bucket);
+  static void release_in_place(Bucket& bucket, const std::vector<at::Tensor>& params);
   void queue_finalize();
   // deferred.cpp (See Note [Deferred launch]).
   bool divides_in_copy() const {

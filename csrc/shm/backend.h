@@ -47,6 +47,12 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   // bytes taken in memory order), non-overlapping float32 or float64 CPU tensors of one dtype.
   c10::intrusive_ptr<c10d::Work> allreduce_pieces(std::vector<at::Tensor> tensors, double scale,
                                                   const comm::OpLabel& label) override;
+  // A sum reduce-scatter of `tensors` as one buffer, scaled as allreduce_pieces scales, the
+  // tensors only read: `out` gets this rank's range of the sum and the tail's (See
+  // comm::BucketAllreduce and Note [Pieces reduce-scatter]).
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_pieces(std::vector<at::Tensor> tensors,
+                                                       double scale, at::Tensor out,
+                                                       const comm::OpLabel& label) override;
   // A sum all-reduce of `tensor`, as allreduce(), carrying the caller's label.
   c10::intrusive_ptr<c10d::Work> allreduce_sum(at::Tensor tensor,
                                                const comm::OpLabel& label) override;

@@ -63,4 +63,39 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_pieces(std::vector<at::Tens
                  false, label);
 }
 
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_pieces(std::vector<at::Tensor> tensors,
+                                                                 double scale, at::Tensor out,
+                                                                 const comm::OpLabel& label) {
+  const char* op = "reduce_scatter of pieces";
+  const c10::ScalarType dtype = check_pieces(op, tensors);
+  int64_t n = 0;
+  for (const auto& t : tensors) n += t.numel();
+  const int64_t s = n / size_, tail = n - s * size_;
+  check_dense(op, out);
+  TORCH_CHECK_VALUE(out.scalar_type() == dtype && out.numel() == s + tail && out.is_contiguous(),
+                    "pycomm ", op, ": the output must be a contiguous ", dtype, " tensor of ",
+                    s + tail, " elements (", n, " elements over ", size_, " ranks: a range of ", s,
+                    " and a tail of ", tail, "), got a ", out.scalar_type(), " tensor of ",
+                    out.numel(), out.is_contiguous() ? "" : ", not contiguous");
+  std::vector<at::Tensor> all = tensors;
+  all.push_back(out);
+  TORCH_CHECK_VALUE(!any_overlap(all), "pycomm ", op, ": the output shares memory with an input");
+  auto body = [this, tensors, out, dtype, scale, s, tail](const OpContext& c) {
+    Pieces pieces;
+    for (const auto& t : tensors) pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
+    char* to = static_cast<char*>(out.data_ptr());
+    const size_t elem = c10::elementSize(dtype);
+    if (s > 0) channel_->reduce_scatter_pieces(pieces, dtype, scale, to, s, c);
+    if (tail > 0) {  // the tail scaled into place, then all-reduced there
+      char* rest = to + s * elem;
+      pieces.each(s * size_ * elem, tail * elem, [&](char* piece, size_t off, size_t bytes) {
+        scale_copy(dtype, rest + off, piece, static_cast<int64_t>(bytes / elem), scale);
+      });
+      channel_->allreduce(rest, tail, dtype, c10d::ReduceOp::SUM, c);
+    }
+  };
+  return enqueue("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {out},
+                 std::move(body), collectives_, false, label);
+}
+
 }  // namespace pycomm::shm

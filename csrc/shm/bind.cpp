@@ -73,6 +73,19 @@ void bind_shm(pybind11::module& m) {
           "`scale` first, results in place (the reducer's path; See Note [Pieces all-reduce]), "
           "labelled as the reducer labels a bucket's (See Note [Collective identity]).")
       .def(
+          "reduce_scatter_pieces",
+          [](shm::ShmBackend& b, std::vector<at::Tensor> tensors, double scale, at::Tensor out,
+             int64_t bucket, int64_t forwards, int64_t step) {
+            b.reduce_scatter_pieces(std::move(tensors), scale, std::move(out),
+                                    comm::OpLabel{bucket, forwards, step})
+                ->wait();
+          },
+          py::arg("tensors"), py::arg("scale"), py::arg("out"), py::arg("bucket") = -1,
+          py::arg("forwards") = 0, py::arg("step") = 0, py::call_guard<py::gil_scoped_release>(),
+          "Blocking: sum reduce-scatter of `tensors` as one buffer, each rank's elements times "
+          "`scale` first, into `out`: this rank's range, then the tail every rank gets (the "
+          "sharded optimizer's path; See Note [Pieces reduce-scatter]).")
+      .def(
           "allreduce_sum",
           [](shm::ShmBackend& b, at::Tensor tensor, int64_t bucket, int64_t forwards,
              int64_t step) {

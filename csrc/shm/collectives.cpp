@@ -283,11 +283,39 @@ void Channel::reduce_scatter_target(const Target& in, char* out, int64_t n,
       if (p != rank_) in.take(mine + p * block, (p * n + off) * elem, block);
     }
     phase(ctx);
-    for (int p = 0; p < world_; ++p) {
-      srcs[p] = p == rank_ ? in.data + (p * n + off) * elem : peer_slot(p) + rank_ * block;
+    const size_t own = (rank_ * n + off) * elem;
+    char* result = out + off * elem;
+    if (in.pieces != nullptr) {  // See Note [Pieces reduce-scatter]
+      in.pieces->each(own, block, [&](char* piece, size_t o, size_t bytes) {
+        for (int p = 0; p < world_; ++p)
+          srcs[p] = p == rank_ ? piece : peer_slot(p) + rank_ * block + o;
+        sum_scaling_one(dtype, result + o, srcs.data(), world_, static_cast<int64_t>(bytes / elem),
+                        rank_, in.scale, nullptr);
+      });
+      continue;
     }
-    reduce_buffers(dtype, op, out + off * elem, srcs.data(), world_, len, world_);
+    for (int p = 0; p < world_; ++p)
+      srcs[p] = p == rank_ ? in.data + own : peer_slot(p) + rank_ * block;
+    reduce_buffers(dtype, op, result, srcs.data(), world_, len, world_);
   }
+}
+
+// Note [Pieces reduce-scatter]
+// A sharded optimizer's bucket reduced where its gradients are (Note [Gradients reduced in
+// place] in reducer/in_place.cpp): the same rounds and arithmetic as reduce_scatter() of
+// the bucket pre-scaled, so ranks may mix the two. The others' blocks are copied into the
+// slot scaled as they are read (Target::take); this rank's own block is summed straight
+// from its pieces, its elements scaled inside the sum (sum_scaling_one), into `out`.
+// Against the bucket path this saves the gradients' copy into the bucket: a read and a
+// write of every gradient byte per step, and the bucket's memory.
+void Channel::reduce_scatter_pieces(const Pieces& in, c10::ScalarType dtype, double scale,
+                                    char* out, int64_t n, const OpContext& ctx) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "pycomm reduce_scatter of pieces: float32 or float64, got ", dtype);
+  TORCH_CHECK(static_cast<int64_t>(in.bytes() / c10::elementSize(dtype)) >= world_ * n,
+              "pycomm reduce_scatter of pieces: ", in.bytes() / c10::elementSize(dtype),
+              " elements for ", world_, " ranges of ", n);
+  reduce_scatter_target(Target{nullptr, &in, dtype, scale}, out, n, c10d::ReduceOp::SUM, ctx);
 }
 
 // One round to agree on the longest message of any pair, so every rank takes the same

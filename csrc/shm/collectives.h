@@ -124,6 +124,12 @@ class Channel {
   // `in` holds world * n elements; this rank's reduced block lands in `out` (n elements).
   void reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
                       c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+  // The sum of every rank's elements [r x n, (r + 1) x n) of `in` (pieces, as one buffer)
+  // scaled by `scale` (as allreduce_pieces scales), into this rank's `out` (n elements);
+  // the same collective as reduce_scatter() of the pre-scaled buffer. float32 and float64.
+  // See Note [Pieces reduce-scatter] (collectives.cpp).
+  void reduce_scatter_pieces(const Pieces& in, c10::ScalarType dtype, double scale, char* out,
+                             int64_t n, const OpContext& ctx);
   void alltoall(const char* in, const Split& send, char* out, const Split& recv,
                 const OpContext& ctx);
   // On `root`, outs[r] receives rank r's `bytes` bytes of `in`; `outs` is unused elsewhere.

@@ -216,16 +216,20 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         self.reducer.register_comm_hook(state, hook)
         self._sync.comm_hook = (state, hook)
 
-    def _register_sharding_hook(self, state: object, hook: Callable) -> None:
+    def _register_sharding_hook(self, state: object, hook: Callable,
+                                in_place_hook: Callable) -> None:
         """pycomm.ZeroRedundancyOptimizer's communication hook: the reducer pre-divides
         each gradient as without a hook, and the hook only sums (PythonCommHook's
-        pre_divided in csrc/reducer/comm_hook.h). Also between steps after training began
-        (See Note [Wrapped after the optimizer] in pycomm/zero/optimizer.py)."""
+        pre_divided in csrc/reducer/comm_hook.h); `in_place_hook` is its form for
+        gradients reduced where they are, which the optimizer switches on
+        (reducer.set_comm_hook_in_place). Also between steps after training began (See
+        Note [Wrapped after the optimizer] in pycomm/zero/optimizer.py)."""
         if self._sync.comm_hook is not None:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "
                                "communication hook registered")
-        self.reducer.register_comm_hook(state, hook, pre_divided=True, between_steps=True)
+        self.reducer.register_comm_hook(state, hook, pre_divided=True, between_steps=True,
+                                        in_place_hook=in_place_hook)
         self._sync.comm_hook = (state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:

@@ -33,8 +33,28 @@ class HookState:
         # alone); until then whole buckets are all-reduced and each parameter's gradient
         # kept in `first`
         ddp = zero._ddp
-        self.final = ddp.config.find_unused_parameters and not ddp.config.static_graph
+        self._final = ddp.config.find_unused_parameters and not ddp.config.static_graph
         self.first: dict[int, torch.Tensor] = {}
+        # Once final, buckets whose gradients the reducer can leave where they are (over
+        # pycomm's shared memory) are reduce-scattered from there (in_place_hook): with a
+        # real reduce-scatter whose bucket is released anyway.
+        self.in_place = reduce_scatter and release
+        self._reducer = None  # the DDP's, once the hooks are registered on it
+
+    @property
+    def final(self) -> bool:
+        return self._final
+
+    @final.setter
+    def final(self, value: bool) -> None:
+        self._final = value
+        if self._reducer is not None:
+            self._reducer.set_comm_hook_in_place(value and self.in_place)
+
+    def registered(self, reducer: Any) -> None:
+        """The hooks are on `reducer`: its in-place form follows `final` from now on."""
+        self._reducer = reducer
+        self.final = self._final
 
     def clear(self) -> None:
         """The optimizer's zero_grad: nothing reduced since."""
@@ -137,3 +157,28 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
         return done
     done = futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
     return done.then(keep)
+
+
+def reduce_scatter_in_place_hook(state: HookState, bucket: dist.GradBucket,
+                                 reduce_into: Any) -> torch.futures.Future:
+    """reduce_scatter_hook for a bucket whose gradients the reducer left where they are
+    (its in_place_hook; See PythonCommHook in csrc/reducer/comm_hook.h): reduce_into(out)
+    reads them as one buffer, scaled as the copy into the bucket would have, and writes
+    the rank's range and the tail's sum into `out` (Note [Pieces reduce-scatter] in
+    csrc/shm/collectives.cpp); the reducer drops them once done (Note [Released
+    gradients] in csrc/reducer/launch.cpp). The bucket's buffer is not needed: its
+    storage is freed (a re-cut bucket still has it)."""
+    index = bucket.index()
+    buf = bucket.buffer()
+    out, add = _kept(state, index, buf)
+    into = torch.empty_like(out) if add else out
+
+    def keep(fut):
+        _raise_failure(fut)
+        if add:
+            out.add_(into)
+        state.fresh.add(index)
+        _free(buf)
+        return buf
+
+    return reduce_into(into).then(keep)

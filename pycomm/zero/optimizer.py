@@ -57,7 +57,7 @@ from .. import _C, registry
 from . import layout as shard_layout
 from .checkpoint import ShardedStateDicts
 from .gathers import GatherLog
-from .hook import HookState, reduce_scatter_hook
+from .hook import HookState, reduce_scatter_hook, reduce_scatter_in_place_hook
 from .layout import BucketShard, Piece
 
 # Optimizers whose update of an element reads only that element's gradient and state, and
@@ -272,8 +272,10 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         # accumulation]): then param.grad is the reduced bucket, as without sharding
         release = ddp.config.grad_reduce_dtype is None
         self._hook_state = HookState(self, reduce_scatter, release)
-        ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook)
+        ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook,
+                                    reduce_scatter_in_place_hook)
         ddp.reducer.set_release_gradients(release)
+        self._hook_state.registered(ddp.reducer)
         self._hook_handles = []
         self._map_modules()
         weak = weakref.ref(self)

@@ -240,9 +240,10 @@ def test_optimizer_state_is_one_world_th(world):
 def _released(rank, world_size):
     """ZeRO-2 memory (Note [Released gradients]): after a synchronized backward no
     param.grad is left, every bucket's storage is freed, and the rank keeps 1/world of the
-    gradients (+ the tails; the first step keeps whole ones until the re-cut); no_sync
-    accumulates in param.grad as usual. With grad_reduce_dtype the
-    fp32 buckets stay (they hold no_sync's sums)."""
+    gradients (+ the tails; the first step keeps whole ones until the re-cut); from the
+    second step on the gradients are reduce-scattered where they are, no bucket filled;
+    no_sync accumulates in param.grad as usual. With grad_reduce_dtype the fp32 buckets
+    stay (they hold no_sync's sums)."""
     base = build("wide")
     ddp = _ddp(base)
     zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
@@ -258,6 +259,10 @@ def _released(rank, world_size):
         freed = [ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
                  for i in range(len(ddp._named_params))]
         assert all(freed), f"step {step}: a bucket is kept"
+        # Once the shards are final, gradients are reduce-scattered where they are (Note
+        # [Pieces reduce-scatter] in csrc/shm/collectives.cpp), never copied into a bucket
+        in_place = [b["in_place"] for b in ddp.timelines(1)[0]["buckets"]]
+        assert in_place == [step > 0] * buckets, (step, in_place)
         if step > 0:  # the first keeps whole gradients (Note [The first step's buckets])
             kept = sum(t.numel() for t in zero._hook_state.grads.values())
             assert whole / world_size <= kept <= whole / world_size + world_size * buckets
