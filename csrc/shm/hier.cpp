@@ -261,17 +261,42 @@ void HierBackend::permute(const at::Tensor& group_order, const at::Tensor& chunk
   }
 }
 
-// Elements of each rank's range per block of the tensor forms' pipelines.
-static int64_t block_elements(int64_t piece_bytes, const at::Tensor& t) {
-  return std::max<int64_t>(1, piece_bytes / t.element_size());
-}
+namespace {
+
+// The blocks of the tensor forms' pipelines (Note [Hierarchical reduce-scatter and
+// all-gather]): block j is elements [begin(j), begin(j) + len(j)) of every rank's range of
+// s elements, one piece each; `data` is what crosses hosts or came across, `across` the
+// cross-host collective in flight.
+struct RangeBlocks {
+  struct Block {
+    at::Tensor data;
+    c10::intrusive_ptr<c10d::Work> across;
+  };
+
+  RangeBlocks(int64_t s, int64_t piece_bytes, const at::Tensor& t)
+      : s(s),
+        c(std::max<int64_t>(1, piece_bytes / t.element_size())),
+        count((s + c - 1) / c),
+        state(count) {}
+
+  int64_t begin(int64_t j) const { return j * c; }
+  int64_t len(int64_t j) const { return std::min(c, s - j * c); }
+  std::string detail(int64_t j) const {
+    return c10::str(", ", s, " elements per rank, block ", j, " of ", count);
+  }
+
+  const int64_t s, c, count;
+  std::vector<Block> state;
+};
+
+}  // namespace
 
 void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
                                         const at::Tensor& input, c10d::ReduceOp::RedOpType reduce) {
   const char* op = "reduce_scatter_tensor";
   const int64_t s = output.numel(), H = hosts_, L = local_->getSize();
   if (s == 0) return;
-  const int64_t c = block_elements(piece_bytes, output), blocks = (s + c - 1) / c;
+  RangeBlocks blocks(s, piece_bytes, output);
   const at::Tensor in = input.contiguous().view({-1});
   Dense out(output);
   char* result = static_cast<char*>(out.work.data_ptr());
@@ -279,51 +304,40 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
   const bool average = reduce == c10d::ReduceOp::AVG;
   c10d::ReduceScatterOptions rs;
   rs.reduceOp = c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce);
-  struct Block {
-    int64_t begin = 0, len = 0;
-    at::Tensor theirs;  // this rank's block from every host, in host order
-    c10::intrusive_ptr<c10d::Work> across;
-  };
-  std::vector<Block> state(blocks);
-  auto detail = [&](int64_t j) {
-    return c10::str(", ", s, " elements per rank, block ", j, " of ", blocks);
-  };
   // Block j: into the chunk order (a copy: the output may be the rank's own range of the
   // input), reduce-scattered within the host, then across hosts on Gloo's threads: range
-  // h of `mine` goes to host h, this rank's range comes back from each.
+  // h of `mine` goes to host h, this rank's range comes back from each (into `data`).
   auto within = [&](int64_t j) {
-    Block& k = state[j];
-    k.begin = j * c;
-    k.len = std::min(c, s - k.begin);
-    at::Tensor chunks = at::empty({L * H * k.len}, in.options());
-    permute(in, chunks, s, k.begin, k.len, /*to_chunks=*/true);
-    at::Tensor mine = at::empty({H * k.len}, in.options());
-    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_,
+    const int64_t len = blocks.len(j);
+    at::Tensor chunks = at::empty({L * H * len}, in.options());
+    permute(in, chunks, s, blocks.begin(j), len, /*to_chunks=*/true);
+    at::Tensor mine = at::empty({H * len}, in.options());
+    wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
                "the reduce-scatter within the host",
                local_->_reduce_scatter_base(mine, chunks, rs));
-    k.theirs = at::empty({H * k.len}, in.options());
+    auto& k = blocks.state[j];
+    k.data = at::empty({H * len}, in.options());
     std::vector<int64_t> equal;  // empty splits: equal ones
     c10d::AllToAllOptions a2a;
-    k.across = cross_->alltoall_base(k.theirs, mine, equal, equal, a2a);
+    k.across = cross_->alltoall_base(k.data, mine, equal, equal, a2a);
   };
   // Block j's H ranges summed in host order into the output.
   auto finish = [&](int64_t j) {
-    Block& k = state[j];
-    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_, "the all-to-all across hosts",
-               k.across);
+    auto& k = blocks.state[j];
+    const int64_t len = blocks.len(j);
+    wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
+               "the all-to-all across hosts", k.across);
     std::vector<const void*> srcs;
-    for (int64_t h = 0; h < H; ++h) {
-      srcs.push_back(k.theirs.narrow(0, h * k.len, k.len).const_data_ptr());
-    }
-    reduce_buffers(output.scalar_type(), reduce, result + k.begin * output.element_size(),
-                   srcs.data(), static_cast<int>(H), k.len, size_);
-    k = Block{};
+    for (int64_t h = 0; h < H; ++h) srcs.push_back(k.data.narrow(0, h * len, len).const_data_ptr());
+    reduce_buffers(output.scalar_type(), reduce, result + blocks.begin(j) * output.element_size(),
+                   srcs.data(), static_cast<int>(H), len, size_);
+    k = {};
   };
-  for (int64_t j = 0; j < blocks; ++j) {
+  for (int64_t j = 0; j < blocks.count; ++j) {
     within(j);
     if (j > 0) finish(j - 1);
   }
-  finish(blocks - 1);
+  finish(blocks.count - 1);
   out.write_back();
 }
 
@@ -332,44 +346,34 @@ void HierBackend::all_gather_tensor(uint64_t seq, int64_t piece_bytes, const at:
   const char* op = "all_gather_into_tensor";
   const int64_t s = input.numel(), H = hosts_, L = local_->getSize();
   if (s == 0) return;
-  const int64_t c = block_elements(piece_bytes, input), blocks = (s + c - 1) / c;
+  RangeBlocks blocks(s, piece_bytes, input);
   const at::Tensor in = input.contiguous().view({-1});
   Dense out(output);
   const at::Tensor home = out.work.view({-1});
-  struct Block {
-    int64_t begin = 0, len = 0;
-    at::Tensor mine;  // chunk l of this host: block j of ranks[0][l], ..., ranks[H-1][l]
-    c10::intrusive_ptr<c10d::Work> across;
-  };
-  std::vector<Block> state(blocks);
-  auto detail = [&](int64_t j) {
-    return c10::str(", ", s, " elements per rank, block ", j, " of ", blocks);
-  };
-  // Block j across hosts first, on Gloo's threads.
+  // Block j across hosts first, on Gloo's threads, into chunk l of this host (`data`: block
+  // j of ranks[0][l], ..., ranks[H-1][l]).
   auto cross = [&](int64_t j) {
-    Block& k = state[j];
-    k.begin = j * c;
-    k.len = std::min(c, s - k.begin);
-    k.mine = at::empty({H * k.len}, in.options());
-    at::Tensor part = in.narrow(0, k.begin, k.len);
+    auto& k = blocks.state[j];
+    k.data = at::empty({H * blocks.len(j)}, in.options());
+    at::Tensor part = in.narrow(0, blocks.begin(j), blocks.len(j));
     c10d::AllgatherOptions ag;
-    k.across = cross_->_allgather_base(k.mine, part, ag);
+    k.across = cross_->_allgather_base(k.data, part, ag);
   };
   // Then within the host, and the ranges home.
   auto within = [&](int64_t j) {
-    Block& k = state[j];
-    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_, "the all-gather across hosts",
-               k.across);
-    at::Tensor chunks = at::empty({L * H * k.len}, in.options());
+    auto& k = blocks.state[j];
+    wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
+               "the all-gather across hosts", k.across);
+    at::Tensor chunks = at::empty({L * H * blocks.len(j)}, in.options());
     c10d::AllgatherOptions ag;
-    wait_phase(op, seq, detail(j), rank_, host_, hosts_, *local_, "the all-gather within the host",
-               local_->_allgather_base(chunks, k.mine, ag));
-    permute(home, chunks, s, k.begin, k.len, /*to_chunks=*/false);
-    k = Block{};
+    wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
+               "the all-gather within the host", local_->_allgather_base(chunks, k.data, ag));
+    permute(home, chunks, s, blocks.begin(j), blocks.len(j), /*to_chunks=*/false);
+    k = {};
   };
   cross(0);
-  for (int64_t j = 0; j < blocks; ++j) {
-    if (j + 1 < blocks) cross(j + 1);
+  for (int64_t j = 0; j < blocks.count; ++j) {
+    if (j + 1 < blocks.count) cross(j + 1);
     within(j);
   }
   out.write_back();
