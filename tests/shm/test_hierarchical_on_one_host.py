@@ -25,6 +25,13 @@ def _pretend_hosts(rank: int, per_host: list[int]) -> None:
     pycomm.shm.host_identity = lambda: f"host{host}/boot"
 
 
+# (dtype, op) pairs the hierarchical collectives are checked with: exact ones (integers,
+# max) and float sums and averages in three dtypes.
+CASES = [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
+         (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
+         (torch.bfloat16, dist.ReduceOp.SUM)]
+
+
 def _sizes():
     # empty, smaller than the ranks of a host, not divisible by them, divisible, larger
     # than the shared segment's slots (512 KiB per round), several rounds.
@@ -41,9 +48,7 @@ def _hier_collectives(rank, world, per_host):
     assert pycomm.shm.hierarchical_group(dist.group.WORLD) is group  # cached
 
     for n in _sizes():
-        for dtype, op in [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
-                          (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
-                          (torch.bfloat16, dist.ReduceOp.SUM)]:
+        for dtype, op in CASES:
             g = torch.Generator().manual_seed(n * 31 + rank)
             x = (torch.randn(n, generator=g) * 100).to(dtype)
             mine = x.clone()
@@ -233,18 +238,15 @@ def _rs_ag(rank, world, hosts, interleaved):
         dist.all_gather_into_tensor(gathered, gathered[rank * s:(rank + 1) * s], group=group)
         assert torch.equal(gathered, flat), what
 
-    cases = [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
-             (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
-             (torch.bfloat16, dist.ReduceOp.SUM)]
     backend = group._get_backend(torch.device("cpu"))
     assert backend.piece_bytes == 2 << 20
     for s in (0, 1, 3, 1000, 70_001):
-        for dtype, op in cases:
+        for dtype, op in CASES:
             check(s, dtype, op)
     # 1 KiB pieces: 256 float32 per block, so 1000 takes 4 blocks and 4099 17, the last short
     backend.piece_bytes = 1024
     for s in (1000, 4099):
-        for dtype, op in cases:
+        for dtype, op in CASES:
             check(s, dtype, op)
     with pytest.raises(ValueError, match="piece_bytes must be positive, got 0"):
         backend.piece_bytes = 0
