@@ -86,10 +86,10 @@ def _kept(state: HookState, index: int, buf: torch.Tensor) -> tuple[torch.Tensor
     an earlier synchronized backward's since the optimizer's zero_grad)."""
     mine = buf.numel() - (state.world - 1) * (buf.numel() // state.world)
     out = state.grads.get(index)
-    add = index in state.fresh and out is not None and out.numel() == mine
     if out is None or out.numel() != mine or out.dtype != buf.dtype:
         out = state.grads[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
-    return out, add
+        return out, False  # nothing kept to add to
+    return out, index in state.fresh
 
 
 def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
