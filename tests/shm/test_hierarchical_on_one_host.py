@@ -32,6 +32,18 @@ CASES = [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
          (torch.bfloat16, dist.ReduceOp.SUM)]
 
 
+def _flat_reference(x, op, world):
+    """`x` all-reduced with `op` over flat Gloo (WORLD), bf16 widened to float64 first;
+    AVG as a sum divided once."""
+    flat = x.clone().to(torch.float64) if x.dtype == torch.bfloat16 else x.clone()
+    if op == dist.ReduceOp.AVG:
+        dist.all_reduce(flat)
+        flat /= world
+    else:
+        dist.all_reduce(flat, op=op)
+    return flat
+
+
 def _sizes():
     # empty, smaller than the ranks of a host, not divisible by them, divisible, larger
     # than the shared segment's slots (512 KiB per round), several rounds.
@@ -53,12 +65,7 @@ def _hier_collectives(rank, world, per_host):
             x = (torch.randn(n, generator=g) * 100).to(dtype)
             mine = x.clone()
             dist.all_reduce(mine, op=op, group=group)
-            flat = x.clone().to(torch.float64) if dtype == torch.bfloat16 else x.clone()
-            if op == dist.ReduceOp.AVG:
-                dist.all_reduce(flat)
-                flat /= world
-            else:
-                dist.all_reduce(flat, op=op)
+            flat = _flat_reference(x, op, world)
             # Integers and max are exact. Floats: the hierarchy adds each host's ranks
             # first, then the hosts; Gloo's flat ring adds in another order: rounding only.
             if dtype in (torch.int64,) or op == dist.ReduceOp.MAX:
@@ -201,13 +208,7 @@ def _rs_ag(rank, world, hosts, interleaved):
         what = f"s={s} {dtype} {op} piece={backend.piece_bytes}"
         g = torch.Generator().manual_seed(s * 7 + rank)
         x = (torch.randn(world * s, generator=g) * 100).to(dtype)
-        want = x.clone().to(torch.float64) if dtype == torch.bfloat16 else x.clone()
-        if op == dist.ReduceOp.AVG:
-            dist.all_reduce(want)
-            want /= world
-        else:
-            dist.all_reduce(want, op=op)
-        want = want[rank * s:(rank + 1) * s]
+        want = _flat_reference(x, op, world)[rank * s:(rank + 1) * s]
         exact = None
         if dtype == torch.float32 and op == dist.ReduceOp.SUM:
             every = [torch.empty_like(x) for _ in range(world)]
