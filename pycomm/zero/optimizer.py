@@ -14,8 +14,11 @@ collectives only sum, with DDP's numerics):
   all-reduced instead (the same bytes as DDP). The hook
   keeps the rank's range and the tail (hook.py's HookState.grads) and frees the bucket's storage;
   the reducer drops each param.grad once copied (Note [Released gradients] in
-  csrc/reducer/launch.cpp). Before the DDP's one bucket re-cut, whole buckets are
-  all-reduced instead (Note [The first step's buckets]).
+  csrc/reducer/launch.cpp). Over shared memory nothing is copied once the shards are
+  final: the hook's in-place form reduce-scatters the gradients where they are, into the
+  kept range (Note [Pieces reduce-scatter] in csrc/shm/collectives.cpp), and the reducer
+  drops them once their bucket is done. Before the DDP's one bucket re-cut, whole buckets
+  are all-reduced instead (Note [The first step's buckets]).
 - step: the wrapped optimizer steps this rank's pieces: views of the parameters (fp32,
   fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with the
   kept gradients (widened to fp32 for a low-precision bucket). 1/world of the optimizer's
