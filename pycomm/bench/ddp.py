@@ -449,7 +449,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="write the results to this JSON file")
     p.add_argument("--trace", default="", metavar="DIR",
                    help="write each pycomm variant's last timed steps (all ranks) as a Chrome "
-                        "trace, DIR/ddp_<model>_<impl>.json")
+                        "trace, DIR/ddp_<model>_<impl>.json (DIR made if missing)")
     bucket_sweep.add_arguments(p)
 
 
@@ -481,6 +481,10 @@ def configure(ns: argparse.Namespace) -> Config:
         folder = os.path.dirname(os.path.abspath(path)) if path else ""
         if path and not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
             raise UsageError(flag, f"cannot write {path!r}: {folder} is not a writable folder")
+    if ns.trace:  # a folder of traces: made here when its parent can hold it
+        if os.path.exists(ns.trace) and not os.path.isdir(ns.trace):
+            raise UsageError("--trace", f"{ns.trace!r} is not a folder")
+        os.makedirs(ns.trace, exist_ok=True)
     hosts = ""
     if ns.hosts:
         link = "unshaped" if ns.link_gbit is None else f"{ns.link_gbit:g} Gbit/s (tbf)"

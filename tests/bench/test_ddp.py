@@ -101,13 +101,14 @@ def test_trace_writes_each_pycomm_variants_last_steps(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "pycomm.bench", "ddp", "--models", "mlp", "--impls",
          "torch,pycomm,pycomm_bucketed", "--reps", "1", "--steps", "2", "--warmup", "1",
-         "--samples", "4", "--trace", str(tmp_path)],
+         "--samples", "4", "--trace", str(tmp_path / "traces")],  # made by the run
         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ddp_mlp_pycomm.json",
-                                                          "ddp_mlp_pycomm_bucketed.json"]
+    traces = tmp_path / "traces"
+    assert sorted(p.name for p in traces.iterdir()) == ["ddp_mlp_pycomm.json",
+                                                        "ddp_mlp_pycomm_bucketed.json"]
     for name, in_place in (("pycomm", True), ("pycomm_bucketed", False)):
-        events = json.loads((tmp_path / f"ddp_mlp_{name}.json").read_text())["traceEvents"]
+        events = json.loads((traces / f"ddp_mlp_{name}.json").read_text())["traceEvents"]
         reduces = [e for e in events if e.get("name", "").startswith("all_reduce")]
         steps = {(e["pid"], e["args"]["step"]) for e in reduces}
         assert {pid for pid, _ in steps} == {0, 1} and len(steps) == 4, steps
@@ -150,6 +151,8 @@ def test_adamw_compares_the_sharded_implementations(tmp_path):
     (["--reps", "0"], "--reps: must be at least 1, got 0"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb: must be positive, got 0"),
     (["--json", "/nonexistent/r.json"], "--json: cannot write '/nonexistent/r.json'"),
+    (["--trace", "/nonexistent/traces"], "--trace: cannot write '/nonexistent/traces'"),
+    (["--trace", "/etc/hostname"], "--trace: '/etc/hostname' is not a folder"),
 ])
 def test_bad_arguments_are_one_line_before_any_rank_starts(args, says):
     out = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", *args],
