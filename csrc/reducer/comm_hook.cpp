@@ -22,12 +22,13 @@ FuturePtr CommHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/,
 
 AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
     : pg_(std::move(pg)),
+      alone_(pg_->getSize() == 1),
       run_inline_(run_inline),
       backend_(comm::cpu_backend(pg_)),
       bucket_ops_(comm::bucket_allreduce(backend_)) {}
 
 int64_t AllreduceSumHook::step_label_elements() const {
-  return bucket_ops_ != nullptr ? 0 : comm::step_label_elements(pg_->getSize());
+  return alone_ || bucket_ops_ != nullptr ? 0 : comm::step_label_elements(pg_->getSize());
 }
 
 void AllreduceSumHook::begin_step(const comm::OpLabel& label) {
@@ -71,10 +72,28 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
       reduced->elementType());
 }
 
+// Note [One rank reduces nothing]
+// On a group of one rank the all-reduce's sum is the rank's own gradients: torch's reducer
+// still copies each into its bucket, all-reduces the bucket alone and copies it back, two
+// passes over every gradient (DDP 1.34x its no_sync step on the bench MLP on CPU,
+// benchmarks/results/ddp_one_rank_cpu.md). Here the bucket takes the in-place path (Note
+// [Gradients reduced in place] in in_place.cpp, with every condition it sets) on any
+// backend, and its "collective" is the scaling alone: none at all when the scale is 1, as
+// it is unless join() changed the divisor. param.grad ends with the bits the bucket gives
+// (x * 1.0 == x), so the parameters stay bitwise torch's. No step label either: there is
+// no other rank to disagree with.
 FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/,
                                          const std::vector<at::Tensor>& /*params*/,
                                          std::vector<at::Tensor> grads, double scale,
                                          const comm::OpLabel& label) {
+  if (alone_) {
+    if (scale != 1.0) {
+      for (auto& grad : grads) grad.mul_(scale);
+    }
+    auto done = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    done->markCompleted(c10::IValue(bucket.buffer));
+    return done;
+  }
   TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
               ": in-place reduction needs a pycomm shared-memory group");
   return finish(bucket_ops_->allreduce_pieces(std::move(grads), scale, label));

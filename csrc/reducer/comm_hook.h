@@ -51,8 +51,10 @@ class AllreduceSumHook final : public CommHook {
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return true; }
-  // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory).
-  bool reduces_in_place() const override { return bucket_ops_ != nullptr; }
+  // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory),
+  // and on a group of one rank, whose sum is the gradients themselves (See Note [One rank
+  // reduces nothing] in comm_hook.cpp).
+  bool reduces_in_place() const override { return alone_ || bucket_ops_ != nullptr; }
   FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                          std::vector<at::Tensor> grads, double scale,
                          const comm::OpLabel& label) override;
@@ -64,6 +66,7 @@ class AllreduceSumHook final : public CommHook {
   FuturePtr finish(const comm::WorkPtr& work);
 
   comm::ProcessGroupPtr pg_;
+  bool alone_;  // a group of one rank
   bool run_inline_;
   bool inline_failed_ = false;
   c10::intrusive_ptr<c10d::Backend> backend_;  // keeps bucket_ops_ alive

@@ -16,7 +16,8 @@ namespace pycomm::reducer {
 // arithmetic in the same order, so param.grad ends with the bits the bucket would have
 // given it. The hooks then only count, and finalize has nothing to copy.
 //
-// It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place),
+// It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place)
+// and on any group of one rank (Note [One rank reduces nothing] in comm_hook.cpp),
 // and to pycomm.ZeroRedundancyOptimizer's reduce-scatter once its shards are final (its
 // Python hook's in-place form, Note [Pieces reduce-scatter] in shm/collectives.cpp: the
 // gradients are only read, the rank's range lands in the optimizer's shard), when nothing

@@ -81,6 +81,47 @@ def test_same_bits_as_through_the_bucket_3_ranks():
     run_ranks(_same_bits, 3)
 
 
+def _one_rank(rank, world):
+    """Note [One rank reduces nothing] (csrc/reducer/comm_hook.cpp): on a group of one rank
+    every bucket goes in place on either group, Gloo's too, and nothing touches the
+    gradients: param.grad is the tensor autograd made, with torch's DDP's bits; join's
+    divisor still scales them."""
+    for shm in (True, False):
+        for model in ("wide", "mlp", "attn"):
+            for cap in (TINY, ONE):
+                base = build(model)
+                on = pycomm.DistributedDataParallel(
+                    copy.deepcopy(base),
+                    config=pycomm.DDPConfig(shared_memory_gradients=shm, bucket_cap_mb=cap))
+                got, ways = _train(on, model, rank)
+                what = f"{model} cap={cap} shm={shm}"
+                assert all(all(w) for w, _ in ways), f"{what}: {ways}"
+                ref, _ = _train(TorchDDP(copy.deepcopy(base), bucket_cap_mb=cap), model, rank)
+                _assert_equal(got, ref, f"{what} against torch")
+        # no copy: the gradient autograd accumulated into is the one left in param.grad
+        ddp = pycomm.DistributedDataParallel(
+            build("mlp"), config=pycomm.DDPConfig(shared_memory_gradients=shm))
+        made = {}
+        for p in ddp.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda q, made=made: made.__setitem__(id(q), q.grad))
+        loss_of(ddp(make_input("mlp", rank, 0))).backward()
+        for name, p in ddp.module.named_parameters():
+            assert p.grad is made[id(p)], f"shm={shm}: {name}'s gradient was replaced"
+    # a divisor other than 1 (set by join() when ranks have left) still scales
+    ddp = pycomm.DistributedDataParallel(build("mlp"))
+    ddp.reducer.set_divide_factor(2)
+    grads, _ = _train(ddp, "mlp", rank, steps=1)
+    plain = build("mlp")
+    loss_of(plain(make_input("mlp", rank, 0))).backward()
+    for g, p in zip(grads[0], plain.parameters()):
+        assert torch.equal(g, p.grad * 0.5)
+
+
+def test_one_rank_leaves_the_gradients_alone():
+    run_ranks(_one_rank, 1)
+
+
 def _strided_grad(ddp):
     """fc1.weight's gradient kept in a transposed (non-contiguous) tensor across steps."""
     w = ddp.module.net[0].weight
