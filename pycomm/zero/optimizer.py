@@ -31,11 +31,22 @@ collectives only sum, with DDP's numerics):
   for all. Without it step() returns with the parameters gathered (torch's semantics). A
   module that reads another module's parameter before that module's forward ran (a tied
   weight used first by its second user) must call wait_for_params() itself.
-param.grad after a synchronized backward is None (with grad_reduce_dtype, whose buckets
-are kept: the bucket as copied by the DDP, averaged on this rank's range only). Clip with
-ddp.clip_grad_norm_, pycomm.clip_grad_norm_ or this optimizer's clip_grad_norm_, which
-take the global norm from the shards; torch's clip_grad_norm_ and GradScaler read
-param.grad and see none.
+Note [One rank: nothing to shard]
+On a gradient group of one rank each bucket's shard is the whole bucket, and the hook
+would only copy each gradient into its bucket and out again (1.28x the DDP's step on an
+H200, benchmarks/results/gpu_check_2026-11-26_nvidia-h200.md). So there no hook is
+registered: the DDP reduces as it does unsharded, param.grad keeps the gradients, and
+the step reads its pieces out of param.grad, as after no_sync (_grad_runs); the
+parameters are still views of the flat buffers, and nothing is all-gathered. The DDP's
+one bucket re-cut is run by the first step that finds it due, before any state exists,
+as with the hook (_follow_buckets). With grad_reduce_dtype the hook stays: the step needs
+the wide bucket, which param.grad holds only rounded to the parameter's dtype.
+
+On several ranks param.grad after a synchronized backward is None (with
+grad_reduce_dtype, whose buckets are kept: the bucket as copied by the DDP, averaged on
+this rank's range only). Clip with ddp.clip_grad_norm_, pycomm.clip_grad_norm_ or this
+optimizer's clip_grad_norm_, which take the global norm from the shards; torch's
+clip_grad_norm_ and GradScaler read param.grad and see none.
 
 Without a pycomm DDP (gradients already averaged in param.grad, e.g. by torch's DDP) it
 does what torch's ZeroRedundancyOptimizer does, on flat shards: step its pieces, all-gather
@@ -275,10 +286,13 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         # accumulation]): then param.grad is the reduced bucket, as without sharding
         release = ddp.config.grad_reduce_dtype is None
         self._hook_state = HookState(self, reduce_scatter, release)
-        ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook,
-                                    reduce_scatter_in_place_hook)
-        ddp.reducer.set_release_gradients(release)
-        self._hook_state.registered(ddp.reducer)
+        # See Note [One rank: nothing to shard]
+        self._hooked = self.world_size > 1 or ddp.config.grad_reduce_dtype is not None
+        if self._hooked:
+            ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook,
+                                        reduce_scatter_in_place_hook)
+            ddp.reducer.set_release_gradients(release)
+            self._hook_state.registered(ddp.reducer)
         self._hook_handles = []
         self._map_modules()
         weak = weakref.ref(self)
@@ -362,7 +376,9 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
             if self._ddp is None:
                 return
         state = self._hook_state
-        if not state.final and state.first:
+        if not state.final and not self._hooked:  # the re-cut, once it is due
+            state.final = self._ddp._sync.rebuild_buckets_if_due()
+        elif not state.final and state.first:
             self._ddp._sync.rebuild_buckets_if_due()
             self._first_grads, state.first, state.final = state.first, {}, True
         if shard_layout.signature(self._buckets()) != self._signature:

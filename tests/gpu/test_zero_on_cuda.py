@@ -66,7 +66,9 @@ def _parity(rank, world_size, **options):
 def _released_and_clipped(rank, world_size):
     """After a synchronized backward no param.grad is left and every bucket's storage is
     freed (on the device, once the stream is done with it); the rank keeps 1/world of the
-    gradients; the DDP clip takes torch's global norm from the shards."""
+    gradients; the DDP clip takes torch's global norm from the shards. On one rank
+    (NCCL's group here) nothing is sharded: no hook, param.grad kept (Note [One rank:
+    nothing to shard] in pycomm/zero/optimizer.py)."""
     _on_the_gpu()
     base = build("wide").cuda()
     ddp = _ddp(base)
@@ -79,10 +81,16 @@ def _released_and_clipped(rank, world_size):
         for m, opt in ((ddp, zero), (ref, ref_opt)):
             opt.zero_grad()
             loss_of(m(make_input("mlp", rank, step))).backward()
-        assert all(p.grad is None for p in ddp.parameters()), f"step {step}: a grad is kept"
-        assert all(ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
-                   for i in range(len(ddp._named_params))), f"step {step}: a bucket is kept"
-        if step > 0:  # the first keeps whole gradients (Note [The first step's buckets])
+        if world_size == 1:
+            assert ddp._sync.comm_hook is None and not zero._hook_state.grads
+            for p, q in zip(ddp.parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad), f"step {step}: {_differs(p.grad, q.grad)}"
+        else:
+            assert all(p.grad is None for p in ddp.parameters()), f"step {step}: a grad is kept"
+            assert all(ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
+                       for i in range(len(ddp._named_params))), f"step {step}: a bucket is kept"
+        # from step 1 on (the first keeps whole gradients: Note [The first step's buckets])
+        if step > 0 and world_size > 1:
             kept = sum(t.numel() for t in zero._hook_state.grads.values())
             assert whole / world_size <= kept <= whole / world_size + world_size * buckets
         got = ddp.clip_grad_norm_(0.01)

@@ -214,6 +214,49 @@ def test_standalone_matches_torch_zero_redundancy_optimizer():
     run_ranks(_standalone, 2)
 
 
+def _one_rank(rank, world_size):
+    """Note [One rank: nothing to shard]: no hook on the DDP, param.grad keeps the DDP's
+    gradients (the same bits as torch's DDP), the DDP clip equals torch's, the buckets are
+    re-cut by the first step before any state exists, and the parameters end bitwise
+    pycomm's DDP's and torch's with the same AdamW; with gradient_as_bucket_view and
+    bf16 parameters on fp32 main parameters too."""
+    for shm in (True, False):
+        for ddp_kwargs in ({}, {"gradient_as_bucket_view": True}):
+            _parity(rank, world_size, model="mlp", shm=shm, options={}, accumulate=True,
+                    ddp_kwargs=ddp_kwargs, exact=True)
+    _bf16_main_params(rank, world_size)
+    base = build("mlp")
+    ddp = pycomm.DistributedDataParallel(copy.deepcopy(base),
+                                         config=pycomm.DDPConfig(bucket_cap_mb=5e-4))
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=5e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    assert ddp._sync.comm_hook is None, "a hook at world 1"
+    relayouts = []
+    zero._relayout = lambda whole, f=zero._relayout: (relayouts.append(whole), f(whole))
+    for step in range(4):
+        for m, opt in ((ddp, zero), (ref, ref_opt)):
+            opt.zero_grad()
+            loss_of(m(make_input("mlp", rank, step))).backward()
+        for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters()):
+            assert p.grad is not None and torch.equal(p.grad, q.grad), f"step {step}: {name}"
+        got = ddp.clip_grad_norm_(0.01)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        assert want > 0.01, "the test must clip"
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        zero.step()
+        ref_opt.step()
+        assert not zero._pending and not zero._hook_state.grads, f"step {step}"
+    assert relayouts == [None], f"the shards were re-cut {len(relayouts)} times, or with state"
+    assert not ddp.reducer.should_rebuild_buckets()
+    for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: n + m)
+
+
+def test_one_rank_keeps_param_grad_and_trains_as_ddp():
+    run_ranks(_one_rank, 1)
+
+
 def _wrapped_after(rank, world_size, clip_first):
     """Note [Wrapped after the optimizer]: built on the bare module, then the module wrapped
     (Accelerate's order). The first step (or a clip before it) moves the optimizer onto
