@@ -16,6 +16,26 @@ balances worse and cannot reduce-scatter a bucket in one collective); a rank ste
 Adam, AdamW, Adagrad, RMSprop...: every element's update reads only that element's state);
 one whose update reads the whole tensor (a norm, a matrix) is refused by name
 (optimizer.py's ELEMENTWISE).
+
+Note [Stepping in cache-sized blocks]
+An optimizer stepping one tensor at a time (torch's for-loop form, the default on CPU)
+runs each of its elementwise operations over the whole tensor before the next: AdamW
+makes about nine passes over a piece of millions of elements, each from memory. Cut into
+blocks of STEP_BLOCK elements (64 Ki: a block's parameter, gradient, two moments and
+temporaries are a few MB, which the caches hold), all nine run on one block before the
+next, and mostly only the first pass of each block reaches memory. Measured on this
+project's CPU (one thread, AdamW over 12.6M elements, the same bits every way: an
+element's arithmetic does not depend on where its tensor starts or ends, as for any
+piece):
+- one piece of 12.6M: 86.8 ms whole, 38.9 ms in 64 Ki blocks (16 Ki: 50.1 ms, lost again
+  to the per-tensor overhead; 128 Ki: 39.5 ms; 256 Ki: 44.3 ms);
+- the bench MLP's shard at 2 ranks, 8 pieces of about 1.6M: 48 ms against 39 ms; inside
+  the bench's step, with the other rank stepping beside it, 66-68 ms against 57-59 ms.
+So the gain grows with the pieces: about a tenth of the bench MLP's optimizer step, half
+of it for a parameter of tens of millions. A block is a piece like any other: the state
+dicts and re-cuts see runs of a parameter, whatever their length. Where the optimizer
+steps lists of tensors per operation (foreach, fused, and torch's default on GPUs)
+blocks gain nothing and are not cut (optimizer.py decides).
 """
 
 from __future__ import annotations
@@ -23,6 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+STEP_BLOCK = 1 << 16  # elements (See Note [Stepping in cache-sized blocks])
 
 
 @dataclass(frozen=True)
@@ -70,7 +92,9 @@ class BucketShard:
 
 
 def cut_bucket(index: int, params: list[int], lengths: list[int], world: int,
-               rank: int) -> BucketShard:
+               rank: int, block: int = 0) -> BucketShard:
+    """Bucket `index` cut for `world` ranks; this rank's pieces at most `block` elements
+    long (0: as long as the parameter's run in the range)."""
     offsets, at = [], 0
     for n in lengths:
         offsets.append(at)
@@ -79,15 +103,18 @@ def cut_bucket(index: int, params: list[int], lengths: list[int], world: int,
     for lo, hi in (bucket.mine, bucket.tail):
         for p, off, n in zip(params, offsets, lengths):
             a, b = max(lo, off), min(hi, off + n)
-            if a < b:
-                bucket.pieces.append(Piece(p, a - off, b - off, a))
+            step = block or max(b - a, 1)
+            for start in range(a, b, step):
+                end = min(start + step, b)
+                bucket.pieces.append(Piece(p, start - off, end - off, start))
     return bucket
 
 
 def cut(buckets: list[list[int]], params: list[torch.Tensor], world: int,
-        rank: int) -> list[BucketShard]:
-    """Every bucket of `buckets` (lists of indices into `params`) cut for `world` ranks."""
-    return [cut_bucket(i, b, [params[p].numel() for p in b], world, rank)
+        rank: int, block: int = 0) -> list[BucketShard]:
+    """Every bucket of `buckets` (lists of indices into `params`) cut for `world` ranks,
+    pieces at most `block` elements long (0: unblocked)."""
+    return [cut_bucket(i, b, [params[p].numel() for p in b], world, rank, block)
             for i, b in enumerate(buckets)]
 
 

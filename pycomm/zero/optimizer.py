@@ -227,8 +227,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         index, whole states) cut to them."""
         buckets = self._buckets()
         self._signature = shard_layout.signature(buckets)
-        self._shards: list[BucketShard] = shard_layout.cut(buckets, self._params,
-                                                           self.world_size, self.rank)
+        self._shards: list[BucketShard] = shard_layout.cut(
+            buckets, self._params, self.world_size, self.rank, self._step_block())
         self._flat: list[torch.Tensor] = []
         with torch.no_grad():
             for shard in self._shards:
@@ -263,6 +263,15 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
             self._load_whole(whole)
         if getattr(self, "_module_buckets", None) is not None:
             self._map_modules()
+
+    def _step_block(self) -> int:
+        """The pieces' longest run (0: unblocked): See Note [Stepping in cache-sized
+        blocks] in layout.py; blocks for an optimizer that steps CPU tensors one at a
+        time (neither foreach nor fused, in any group)."""
+        lists = any(g.get(k) for g in [self.defaults, *self.param_groups]
+                    for k in ("foreach", "fused"))
+        on_cpu = all(p.device.type == "cpu" for p in self._params)
+        return 0 if lists or not on_cpu else shard_layout.STEP_BLOCK
 
     def _sync_groups(self, into_inner: bool = True) -> None:
         """Hyperparameters (lr from a scheduler...) between the full groups and the wrapped

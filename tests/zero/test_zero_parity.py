@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
+from pycomm.zero import layout as shard_layout
 from tests.support.ddp_models import build, loss_of, make_input
 from tests.support.multirank import run_ranks
 
@@ -45,7 +46,9 @@ def _steps(ddp, opt, rank, model, accumulate, dtype=torch.float32):
 
 
 def _parity(rank, world_size, model, shm, options, accumulate, ddp_kwargs, exact, cap=5e-4,
-            exact_torch=None):
+            exact_torch=None, block=None):
+    if block is not None:  # See Note [Stepping in cache-sized blocks]: small enough to cut
+        shard_layout.STEP_BLOCK = block
     base = build(model)
     cfg = pycomm.DDPConfig(shared_memory_gradients=shm, bucket_cap_mb=cap, **ddp_kwargs)
     sharded = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
@@ -62,6 +65,9 @@ def _parity(rank, world_size, model, shm, options, accumulate, ddp_kwargs, exact
         _steps(ddp, opt, rank, model, accumulate)
     zero.wait_for_params()
     assert len(sharded.reducer.bucket_indices()) > 1, "the test needs several buckets"
+    if block is not None:
+        lengths = [piece.numel for _, piece, _ in zero._pieces]
+        assert max(lengths) == block and len(zero.optim.state) == len(lengths), lengths
     for (name, p), q, t in zip(sharded.module.named_parameters(), plain.module.parameters(),
                                torch_ddp.module.parameters()):
         for ref, who in ((q, "pycomm DDP + AdamW"), (t, "torch DDP + AdamW")):
@@ -78,6 +84,14 @@ def _parity(rank, world_size, model, shm, options, accumulate, ddp_kwargs, exact
 def test_two_ranks_bitwise_on_shared_memory(options):
     run_ranks(_parity, 2, model="mlp", shm=True, options=options, accumulate=True,
               ddp_kwargs={}, exact=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_blocks_step_bitwise(world):
+    """Note [Stepping in cache-sized blocks]: pieces cut into blocks of 37 elements (odd, so
+    that blocks start anywhere in a vector) step every element to the same bits."""
+    run_ranks(_parity, world, model="mlp", shm=True, options={}, accumulate=True,
+              ddp_kwargs={}, exact=True, exact_torch=world == 2, block=37)
 
 
 def test_two_ranks_fused_within_an_ulp():
@@ -148,11 +162,13 @@ def test_three_ranks_bitwise_with_pycomm_ddp(shm):
               ddp_kwargs={}, exact=True, exact_torch=False)
 
 
-def _bf16_main_params(rank, world_size, device="cpu"):
+def _bf16_main_params(rank, world_size, device="cpu", block=None):
     """bf16 parameters, fp32 gradient buckets: the sharded step on fp32 main parameters
     equals the unsharded oracle (fp32 copies of the parameters stepped by AdamW on the DDP's
     fp32 main_grad, rounded to bf16 after each step), bitwise. On "cuda" too
     (tests/gpu/test_zero_on_cuda.py: the DDPs move the inputs, device_ids=[0])."""
+    if block is not None:  # fp32 main copies per block
+        shard_layout.STEP_BLOCK = block
     base = build("mlp").to(device).to(torch.bfloat16)
     cfg = pycomm.DDPConfig(bucket_cap_mb=5e-4, grad_reduce_dtype=torch.float32)
     ids = [0] if device == "cuda" else None
@@ -186,8 +202,9 @@ def _bf16_main_params(rank, world_size, device="cpu"):
                                    f"by {(p.float() - q.float()).abs().max().item():.3g}")
 
 
-def test_bf16_parameters_with_fp32_main_parameters_bitwise():
-    run_ranks(_bf16_main_params, 2)
+@pytest.mark.parametrize("block", [None, 37], ids=["pieces", "blocks"])
+def test_bf16_parameters_with_fp32_main_parameters_bitwise(block):
+    run_ranks(_bf16_main_params, 2, block=block)
 
 
 def _standalone(rank, world_size):
