@@ -86,6 +86,11 @@ def _check_gathers(rank, world, gloo):
             flat = torch.empty(world * numel, dtype=dtype)
             dist.all_gather_into_tensor(flat, x)
             assert torch.equal(flat, torch.cat(want)), ("all_gather_into_tensor", numel)
+            # in place: the input is this rank's block of the output (its own copy skipped)
+            flat = torch.full((world * numel,), 9, dtype=dtype)
+            flat[rank * numel:(rank + 1) * numel] = x
+            dist.all_gather_into_tensor(flat, flat[rank * numel:(rank + 1) * numel])
+            assert torch.equal(flat, torch.cat(want)), ("in-place all_gather_into_tensor", numel)
             big = _data(rank, world * numel, dtype, salt=5)
             (want_rs,) = _oracle(lambda t, group: dist.all_reduce(t, group=group), big,
                                  gloo=gloo)
