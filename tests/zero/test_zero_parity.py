@@ -231,6 +231,15 @@ def test_standalone_matches_torch_zero_redundancy_optimizer():
     run_ranks(_standalone, 2)
 
 
+def _clip_as_torch(ddp, ref, max_norm=0.01):
+    """The DDP's clip and torch's clip_grad_norm_ on `ref` (the same gradients unsharded):
+    the same global norm, to rounding; the norm must be over max_norm, so that both scale."""
+    got = ddp.clip_grad_norm_(max_norm)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    assert want > max_norm, "the test must clip"
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+
+
 def _one_rank(rank, world_size):
     """Note [One rank: nothing to shard]: no hook on the DDP, param.grad keeps the DDP's
     gradients (the same bits as torch's DDP), the DDP clip equals torch's, the buckets are
@@ -257,10 +266,7 @@ def _one_rank(rank, world_size):
             loss_of(m(make_input("mlp", rank, step))).backward()
         for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters()):
             assert p.grad is not None and torch.equal(p.grad, q.grad), f"step {step}: {name}"
-        got = ddp.clip_grad_norm_(0.01)
-        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
-        assert want > 0.01, "the test must clip"
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        _clip_as_torch(ddp, ref)
         zero.step()
         ref_opt.step()
         assert not zero._pending and not zero._hook_state.grads, f"step {step}"
