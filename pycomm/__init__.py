@@ -11,12 +11,12 @@ from .config import DDPConfig
 from .ddp import DistributedDataParallel
 from .patching import Patch, patch
 from .shm import register as _register_shm_backend
-from .zero import ZeroRedundancyOptimizer
+from .zero import ShardedGradScaler, ZeroRedundancyOptimizer
 
 _register_shm_backend()
 
-__all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "ZeroRedundancyOptimizer",
-           "__version__", "clip_grad_norm_", "patch"]
+__all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "ShardedGradScaler",
+           "ZeroRedundancyOptimizer", "__version__", "clip_grad_norm_", "patch"]
 
 _LAZY_SUBMODULES = ("lightning",)  # import their library: only on first use
 

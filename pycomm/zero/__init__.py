@@ -8,8 +8,10 @@
   checkpoint.py  the state dicts: consolidated, sharded, loaded onto any layout
   state.py       per-piece state against whole parameters' (pure functions)
   gathers.py     when the all-gathers ran and what the forward waited for
+  grad_scaler.py torch's GradScaler over the shards (ShardedGradScaler)
 """
 
+from .grad_scaler import ShardedGradScaler
 from .optimizer import ELEMENTWISE, ZeroRedundancyOptimizer
 
-__all__ = ["ELEMENTWISE", "ZeroRedundancyOptimizer"]
+__all__ = ["ELEMENTWISE", "ShardedGradScaler", "ZeroRedundancyOptimizer"]

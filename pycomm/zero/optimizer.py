@@ -572,6 +572,33 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
             torch._foreach_mul_(scaled, coef.to(scaled[0].dtype))
         return total
 
+    @torch.no_grad()
+    def unscale_shards_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor,
+                        allow_fp16: bool) -> dict[torch.device, torch.Tensor]:
+        """ShardedGradScaler's unscale (See Note [Loss scaling over shards] in
+        grad_scaler.py): every gradient run this rank steps is multiplied by inv_scale
+        and checked, found_inf (a 0-dim float32 tensor, the scaler's) set to 1 where any
+        rank found one not finite. Returns {device: found_inf}, as torch's GradScaler's
+        _unscale_grads_ does. Collective."""
+        if self._ddp is None:
+            self._adopt_ddp()  # See Note [Wrapped after the optimizer]: before the runs
+        self._follow_buckets()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for run in self._grad_runs():
+            if run is None:
+                continue
+            if run.dtype == torch.float16 and not allow_fp16:
+                raise ValueError("Attempting to unscale FP16 gradients.")
+            by_dtype.setdefault(run.dtype, []).append(run)
+        device = self._params[0].device  # the group's: where the flag is all-reduced
+        flag = found_inf if found_inf.device == device else found_inf.to(device)
+        for runs in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(runs, flag, inv_scale.to(device))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._comm_group)
+        if flag is not found_inf:
+            found_inf.copy_(flag)
+        return {found_inf.device: found_inf}
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "optim", None) is not None:
             raise RuntimeError(

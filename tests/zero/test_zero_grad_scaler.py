@@ -1,0 +1,86 @@
+"""pycomm.ShardedGradScaler (Note [Loss scaling over shards] in
+pycomm/zero/grad_scaler.py): loss scaling with a pycomm.ZeroRedundancyOptimizer trains
+as torch's DDP + the same optimizer + torch's GradScaler (bitwise at 1 and 2 ranks, to
+rounding at 3) with the same scale every step, also when a gradient
+overflows on one rank only (the average carries the inf into one rank's shard, and
+every rank must skip that step); with any other optimizer it is torch's GradScaler."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pycomm
+from tests.support.ddp_models import build, loss_of, make_input
+from tests.support.multirank import run_ranks
+
+CAP = 5e-4  # MB: the MLP in several buckets
+STEPS, OVERFLOW = 8, 3  # at step OVERFLOW rank 0's gradient of net.0.weight[0, 5] is inf
+
+
+def _scaler(cls):
+    return cls("cpu", init_scale=2.0 ** 12, growth_interval=2)
+
+
+def _overflow(rank, step, module):
+    """Rank 0's gradient of one element made inf at step OVERFLOW (a tensor hook, before
+    the DDP sees it); the handle to remove, or None."""
+    if rank != 0 or step != OVERFLOW:
+        return None
+
+    def inf_at(grad):
+        grad = grad.clone()
+        grad[0, 5] = float("inf")
+        return grad
+
+    return dict(module.named_parameters())["net.0.weight"].register_hook(inf_at)
+
+
+def _train(ddp, opt, scaler, rank):
+    scales = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        handle = _overflow(rank, step, ddp.module)
+        scaler.scale(loss_of(ddp(make_input("mlp", rank, step)))).backward()
+        if handle is not None:
+            handle.remove()
+        if step % 2:  # as before a clip; on the other steps step() unscales
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales
+
+
+def _scaled(rank, world_size):
+    base = build("mlp")
+    ours = pycomm.DistributedDataParallel(copy.deepcopy(base),
+                                          config=pycomm.DDPConfig(bucket_cap_mb=CAP))
+    zero = pycomm.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-2)
+    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP)
+    got = _train(ours, zero, _scaler(pycomm.ShardedGradScaler), rank)
+    want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
+                  _scaler(torch.amp.GradScaler), rank)
+    assert got == want, (got, want)
+    assert want[OVERFLOW] == want[OVERFLOW - 1] / 2, f"step {OVERFLOW} must be skipped: {want}"
+    zero.wait_for_params()
+    for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+        if world_size < 3:
+            assert torch.equal(p, q), f"rank {rank}: {name} differs by {(p - q).abs().max():.3g}"
+        else:  # torch's Gloo ring adds three terms in another order (test_zero_parity.py)
+            torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6, msg=lambda m, n=name: n + m)
+    # any other optimizer: torch's GradScaler
+    plain = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP)
+    got = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2),
+                 _scaler(pycomm.ShardedGradScaler), rank)
+    assert got == want
+    for p, q in zip(plain.parameters(), ref.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sharded_scaler_skips_on_every_rank_and_matches_torch(world):
+    run_ranks(_scaled, world)
