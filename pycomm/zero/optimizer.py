@@ -46,7 +46,8 @@ On several ranks param.grad after a synchronized backward is None (with
 grad_reduce_dtype, whose buckets are kept: the bucket as copied by the DDP, averaged on
 this rank's range only). Clip with ddp.clip_grad_norm_, pycomm.clip_grad_norm_ or this
 optimizer's clip_grad_norm_, which take the global norm from the shards; torch's
-clip_grad_norm_ and GradScaler read param.grad and see none.
+clip_grad_norm_ and GradScaler read param.grad and see none (pycomm.ShardedGradScaler
+scales the shards: Note [Loss scaling over shards] in grad_scaler.py).
 
 Without a pycomm DDP (gradients already averaged in param.grad, e.g. by torch's DDP) it
 does what torch's ZeroRedundancyOptimizer does, on flat shards: step its pieces, all-gather
