@@ -24,6 +24,7 @@ gpu.require()
 import pycomm  # noqa: E402
 from tests.gpu.test_ddp_on_cuda import GROUPS, _on_the_gpu, _run_on  # noqa: E402
 from tests.support.ddp_models import build, loss_of, make_input  # noqa: E402
+from tests.zero import test_zero_grad_scaler as zero_scaler  # noqa: E402
 from tests.zero import test_zero_parity as zero_parity  # noqa: E402
 from tests.zero.test_zero_parity import _clip_as_torch, _groups, _steps  # noqa: E402
 
@@ -106,6 +107,11 @@ def _bf16_main_params(rank, world_size):
     zero_parity._bf16_main_params(rank, world_size, device="cuda")
 
 
+def _scaled(rank, world_size):
+    _on_the_gpu()
+    zero_scaler._scaled(rank, world_size, device="cuda")
+
+
 def _parity_cases(rank, world_size):
     _parity(rank, world_size)  # foreach, the CUDA default
     _parity(rank, world_size, foreach=False)
@@ -124,3 +130,10 @@ def test_gradients_released_and_clipped_on_cuda(group):
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_bf16_parameters_with_fp32_main_parameters_on_cuda(group):
     _run_on(group, _bf16_main_params)
+
+
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_sharded_grad_scaler_on_cuda(group):
+    """pycomm.ShardedGradScaler with CUDA gradients and a CUDA scaler (the found-inf flag
+    all-reduced on the device: NCCL, and Gloo's CUDA all-reduce)."""
+    _run_on(group, _scaled)

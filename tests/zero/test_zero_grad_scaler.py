@@ -21,8 +21,8 @@ CAP = 5e-4  # MB: the MLP in several buckets
 STEPS, OVERFLOW = 8, 3  # at step OVERFLOW rank 0's gradient of net.0.weight[0, 5] is inf
 
 
-def _scaler(cls):
-    return cls("cpu", init_scale=2.0 ** 12, growth_interval=2)
+def _scaler(cls, device):
+    return cls(device, init_scale=2.0 ** 12, growth_interval=2)
 
 
 def _overflow(rank, step, module):
@@ -55,15 +55,17 @@ def _train(ddp, opt, scaler, rank):
     return scales
 
 
-def _scaled(rank, world_size):
-    base = build("mlp")
-    ours = pycomm.DistributedDataParallel(copy.deepcopy(base),
+def _scaled(rank, world_size, device="cpu"):
+    """Also on "cuda" (tests/gpu/test_zero_on_cuda.py: the DDPs move the inputs)."""
+    base = build("mlp").to(device)
+    ids = [0] if device == "cuda" else None
+    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), device_ids=ids,
                                           config=pycomm.DDPConfig(bucket_cap_mb=CAP))
     zero = pycomm.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-2)
-    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP)
-    got = _train(ours, zero, _scaler(pycomm.ShardedGradScaler), rank)
+    ref = TorchDDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=CAP)
+    got = _train(ours, zero, _scaler(pycomm.ShardedGradScaler, device), rank)
     want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
-                  _scaler(torch.amp.GradScaler), rank)
+                  _scaler(torch.amp.GradScaler, device), rank)
     assert got == want, (got, want)
     assert want[OVERFLOW] == want[OVERFLOW - 1] / 2, f"step {OVERFLOW} must be skipped: {want}"
     zero.wait_for_params()
@@ -73,9 +75,9 @@ def _scaled(rank, world_size):
         else:  # torch's Gloo ring adds three terms in another order (test_zero_parity.py)
             torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6, msg=lambda m, n=name: n + m)
     # any other optimizer: torch's GradScaler
-    plain = TorchDDP(copy.deepcopy(base), bucket_cap_mb=CAP)
+    plain = TorchDDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=CAP)
     got = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2),
-                 _scaler(pycomm.ShardedGradScaler), rank)
+                 _scaler(pycomm.ShardedGradScaler, device), rank)
     assert got == want
     for p, q in zip(plain.parameters(), ref.parameters()):
         assert torch.equal(p, q)
