@@ -580,14 +580,15 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         grad_scaler.py): every gradient run this rank steps is multiplied by inv_scale
         and checked, found_inf (a 0-dim float32 tensor, the scaler's) set to 1 where any
         rank found one not finite. Returns {device: found_inf}, as torch's GradScaler's
-        _unscale_grads_ does. Collective."""
+        _unscale_grads_ does. Without a pycomm DDP the gradients are whole in param.grad,
+        and all of them are unscaled, as torch's scaler does. Collective."""
+        self._follow_buckets()  # adopts a DDP that took the parameters since construction
         if self._ddp is None:
-            self._adopt_ddp()  # See Note [Wrapped after the optimizer]: before the runs
-        self._follow_buckets()
+            runs = [p.grad for p in self._all_params if p.grad is not None]
+        else:
+            runs = [r for r in self._grad_runs() if r is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for run in self._grad_runs():
-            if run is None:
-                continue
+        for run in runs:
             if run.dtype == torch.float16 and not allow_fp16:
                 raise ValueError("Attempting to unscale FP16 gradients.")
             by_dtype.setdefault(run.dtype, []).append(run)

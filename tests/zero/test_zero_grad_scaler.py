@@ -39,7 +39,9 @@ def _overflow(rank, step, module):
     return dict(module.named_parameters())["net.0.weight"].register_hook(inf_at)
 
 
-def _train(ddp, opt, scaler, rank):
+def _train(ddp, opt, scaler, rank, unscaled=None):
+    """The scale after each step; `unscaled` (a list) gets param.grad after each
+    unscale_."""
     scales = []
     for step in range(STEPS):
         opt.zero_grad()
@@ -49,6 +51,8 @@ def _train(ddp, opt, scaler, rank):
             handle.remove()
         if step % 2:  # as before a clip; on the other steps step() unscales
             scaler.unscale_(opt)
+            if unscaled is not None:
+                unscaled.append([p.grad.clone() for p in ddp.parameters()])
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
@@ -64,8 +68,9 @@ def _scaled(rank, world_size, device="cpu"):
     zero = pycomm.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-2)
     ref = TorchDDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=CAP)
     got = _train(ours, zero, _scaler(pycomm.ShardedGradScaler, device), rank)
+    unscaled: list = []
     want = _train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2),
-                  _scaler(torch.amp.GradScaler, device), rank)
+                  _scaler(torch.amp.GradScaler, device), rank, unscaled)
     assert got == want, (got, want)
     assert want[OVERFLOW] == want[OVERFLOW - 1] / 2, f"step {OVERFLOW} must be skipped: {want}"
     zero.wait_for_params()
@@ -74,13 +79,19 @@ def _scaled(rank, world_size, device="cpu"):
             assert torch.equal(p, q), f"rank {rank}: {name} differs by {(p - q).abs().max():.3g}"
         else:  # torch's Gloo ring adds three terms in another order (test_zero_parity.py)
             torch.testing.assert_close(p, q, rtol=2e-5, atol=2e-6, msg=lambda m, n=name: n + m)
-    # any other optimizer: torch's GradScaler
-    plain = TorchDDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=CAP)
-    got = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2),
-                 _scaler(pycomm.ShardedGradScaler, device), rank)
-    assert got == want
-    for p, q in zip(plain.parameters(), ref.parameters()):
-        assert torch.equal(p, q)
+    # any other optimizer: torch's GradScaler; the sharded optimizer on torch's DDP (whole
+    # gradients in param.grad): every gradient unscaled, as torch's scaler does
+    for sharded in (False, True):
+        plain = TorchDDP(copy.deepcopy(base), device_ids=ids, bucket_cap_mb=CAP)
+        opt = (pycomm.ZeroRedundancyOptimizer(plain.parameters(), torch.optim.AdamW, lr=1e-2)
+               if sharded else torch.optim.AdamW(plain.parameters(), lr=1e-2))
+        seen: list = []
+        got = _train(plain, opt, _scaler(pycomm.ShardedGradScaler, device), rank, seen)
+        assert got == want, sharded
+        for step, (a, b) in enumerate(zip(seen, unscaled)):  # what a clip would read
+            assert all(torch.equal(g, h) for g, h in zip(a, b)), (sharded, step)
+        for p, q in zip(plain.parameters(), ref.parameters()):  # torch's DDP's sums: bitwise
+            assert torch.equal(p, q), sharded
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
