@@ -59,16 +59,17 @@ def test_steady_allocator_stops_gradient_sized_blocks_faulting_after_the_first_s
     # gradients in some ranks and not others. By default glibc maps them afresh on the
     # second cycle too, and mostly into the fourth or fifth (its mmap threshold is still
     # moving); fixed, the heap settles within three cycles and nothing faults after that.
-    # How much the second and third cycles fault varies from run to run (2026-11-25, 12
-    # runs: second 4096-24576 pages, third 0-8192; 2026-11-26, 12 runs: second 0-16385,
-    # third 0 or 12288, together at most 16385), so those two are held only to less than
-    # the first cycle, and the settled cycles to nothing.
+    # How much the second and third cycles fault varies from run to run and from day to
+    # day (2026-11-25, 12 runs: second 4096-24576 pages, third 0-8192; 2026-11-26, 21
+    # runs: second 0-24577, third 0-12288, both large in one run), so only the settled
+    # cycles (fourth on) are held: to nothing, in every run seen. glibc's default faulted
+    # 8192-28640 pages there in 9 runs of 10.
     out = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     faults = eval(out.strip().splitlines()[-1])
     assert faults[0] > 20000, faults  # the first step maps its gradients either way
     if mode == "steady":
-        assert faults[1] + faults[2] < faults[0] and sum(faults[3:]) < 1000, faults
+        assert sum(faults[3:]) < 1000, faults
     else:
         assert sum(faults[1:]) > 20000, faults  # what the setting is for
 
