@@ -11,6 +11,9 @@ TORCH_LIBRARY(pycomm, m) {
         "(Tensor, Tensor)");
   m.def("scale_(Tensor(a!)[] tensors, Tensor factor) -> ()");
   m.def("accumulate_(Tensor(a!)[] acc, Tensor[] grads, float scale) -> ()");
+  // Adam / AdamW over CPU tensors in one pass: See Note [Adam in one pass, with torch's bits].
+  m.def("adam_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] "
+        "exp_avg_sqs, Tensor(d!)[] steps, Tensor hyper) -> ()");
   m.def("clip_grad_norm_(Tensor(a!)[] grads, float max_norm, float norm_type=2., bool "
         "error_if_nonfinite=False) -> Tensor");
 }

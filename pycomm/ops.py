@@ -103,6 +103,12 @@ def _(acc: list[torch.Tensor], grads: list[torch.Tensor], scale: float) -> None:
     return None
 
 
+@torch.library.register_fake("pycomm::adam_step_")
+def _(params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
+      exp_avg_sqs: list[torch.Tensor], steps: list[torch.Tensor], hyper: torch.Tensor) -> None:
+    return None
+
+
 @torch.library.register_fake("pycomm::clip_grad_norm_")
 def _(grads: list[torch.Tensor], max_norm: float, norm_type: float = 2.0,
       error_if_nonfinite: bool = False) -> torch.Tensor:

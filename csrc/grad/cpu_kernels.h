@@ -136,6 +136,56 @@ void accumulate_piece(TA* acc, const TG* grad, int64_t n, at::opmath_type<TA> sc
   for (; i < n; ++i) acc[i] = scaled_add<TA, TG>(acc[i], grad[i], scale);
 }
 
+// Adam's first pass (See Note [Adam in one pass, with torch's bits] in adam_cpu.cpp): the
+// operations of torch's for-loop Adam up to the square root, each rounded as its kernel
+// rounds it (at::vec::fmadd fuses where ATen's build fuses), and the square root's input
+// into `root`, zeros as ones (See Note [Zeros around the square root] in adam_cpu.cpp).
+// The remainder runs the same vector code on a partial load, so an element's bits do not
+// depend on its position.
+inline void adam_moments_piece(float* p, const float* g, float* m, float* v, float* root, int64_t n,
+                               const AdamScalars& s) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec decay(s.decay), weight(s.weight), beta2(s.beta2), c2(s.one_minus_beta2);
+  const Vec zero(0.0f), one(1.0f);
+  // torch's lerp: start + weight * (end - start) for |weight| < 0.5, else
+  // end + (weight - 1) * (end - start).
+  const bool small = std::abs(s.weight) < 0.5f;
+  const Vec coeff = small ? weight : weight - one;
+  const auto at = [&](int64_t i, int64_t count) {
+    Vec pv = Vec::loadu(p + i, count);
+    const Vec gv = Vec::loadu(g + i, count);
+    const Vec mv = Vec::loadu(m + i, count);
+    if (s.decays) {
+      pv = pv * decay;
+      pv.store(p + i, count);
+    }
+    at::vec::fmadd(coeff, gv - mv, small ? mv : gv).store(m + i, count);
+    const Vec vv = at::vec::fmadd(c2 * gv, gv, Vec::loadu(v + i, count) * beta2);
+    vv.store(v + i, count);
+    Vec::blendv(vv, one, vv == zero).store(root + i, count);
+  };
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) at(i, Vec::size());
+  if (i < n) at(i, n - i);
+}
+
+// Adam's second pass, `root` holding the square roots of the first pass's `root`:
+// denom = sqrt(exp_avg_sq) / root_correction + eps, param += neg_step_size * exp_avg /
+// denom, rounded as torch's division, add_ and addcdiv_ kernels round them.
+inline void adam_update_piece(float* p, const float* m, const float* v, const float* root,
+                              int64_t n, const AdamScalars& s) {
+  using Vec = at::vec::Vectorized<float>;
+  const Vec correction(s.root_correction), eps(s.eps), step(s.neg_step_size), zero(0.0f);
+  const auto at = [&](int64_t i, int64_t count) {
+    const Vec r = Vec::blendv(Vec::loadu(root + i, count), zero, Vec::loadu(v + i, count) == zero);
+    const Vec denom = r / correction + eps;
+    (Vec::loadu(p + i, count) + step * Vec::loadu(m + i, count) / denom).store(p + i, count);
+  };
+  int64_t i = 0;
+  for (; i + Vec::size() <= n; i += Vec::size()) at(i, Vec::size());
+  if (i < n) at(i, n - i);
+}
+
 // Type-erased entry points: what cpu_pieces.h's table points at.
 inline void norm_piece_any(NormKind kind, at::ScalarType dtype, const void* x, int64_t n, double p,
                            double* acc, double* nf) {

@@ -112,6 +112,19 @@ C10_HOST_DEVICE inline TA scaled_add(TA acc, TG grad, Acc scale) {
   return static_cast<TA>(static_cast<Acc>(acc) + scale * static_cast<Acc>(grad));
 }
 
+// One tensor's Adam step scalars, each rounded to float where torch's for-loop Adam rounds
+// it (See Note [Adam in one pass, with torch's bits] in adam_cpu.cpp).
+struct AdamScalars {
+  bool decays;            // weight_decay != 0: param *= decay first (decoupled, as AdamW)
+  float decay;            // 1 - lr * weight_decay
+  float weight;           // 1 - beta1: exp_avg.lerp_(grad, weight)
+  float beta2;            // exp_avg_sq *= beta2
+  float one_minus_beta2;  // exp_avg_sq += one_minus_beta2 * grad * grad
+  float root_correction;  // (1 - beta2^step)^0.5: denom = sqrt(exp_avg_sq) / it + eps
+  float eps;
+  float neg_step_size;  // -lr / (1 - beta1^step): param += neg_step_size * exp_avg / denom
+};
+
 // Elements a kernel may treat as one flat span: dense, non-overlapping (any stride order,
 // so channels-last and transposed gradients qualify; their memory is exactly numel slots
 // starting at data_ptr).

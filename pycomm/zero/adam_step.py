@@ -1,0 +1,150 @@
+"""The sharded optimizer's Adam / AdamW step on CPU in one pass (pycomm::adam_step_: See
+Note [Adam in one pass, with torch's bits] in csrc/grad/adam_cpu.cpp), where it gives
+torch's bits.
+
+Note [Probing the one-pass Adam]
+The kernel repeats the rounding of each of torch's elementwise operations as ATen's float
+kernels do it on the builds it was checked on, but that is a property of a torch build (a
+fused multiply-add in a compiled vector loop, MKL's square root), not of torch's API. So it
+is used only for an optimizer that asks nothing beyond the plain update (no amsgrad,
+maximize, capturable, differentiable, foreach or fused; float hyperparameters; float32 CPU
+tensors; no step hooks), and only after a probe: the first time a form of update is met in
+a process (the class, whether weight decay is applied, which branch torch's lerp takes),
+a few tensors of lengths that cross vectors, remainders and the kernel's blocks are stepped
+three times by the optimizer class itself and by the kernel, from the same state (a
+quarter of each gradient zero, where the kernel avoids MKL's slow path: Note [Zeros around
+the square root]); the form is used only if every parameter and state tensor agrees
+bitwise. Otherwise the optimizer's own step runs, and `reason()` says why. The state stays
+torch's (the same keys, dtypes and values), so checkpoints do not see which step ran.
+Checked so: torch 2.13's CPU wheel under ATen's AVX512, AVX2 and default kernels
+(ATEN_CPU_CAPABILITY), against the kernel's AVX2 build for the first two and its portable
+build for the third.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.optim import Adam, AdamW, Optimizer
+from torch.optim import optimizer as torch_optimizer
+
+ONE_PASS = True  # False: every optimizer steps itself (the tests of blocks set it)
+_OFF = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
+_PROBE_LENGTHS = (1, 7, 37, 4099, (1 << 15) + 1001)  # the kernel's block is 1 << 15
+_kernel = torch.ops.pycomm.adam_step_
+_verdicts: dict[tuple, Optional[str]] = {}  # update form -> None (agrees) or why not
+
+
+def _scalar_dtype() -> torch.dtype:
+    """The dtype of torch's state["step"] on its for-loop path."""
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _form(cls: type, group: dict) -> tuple:
+    decoupled = cls is AdamW or group.get("decoupled_weight_decay", False)
+    return cls, decoupled, group["weight_decay"] != 0, abs(1 - group["betas"][0]) < 0.5
+
+
+def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
+    """Why parameter groups of optimizer class `cls` cannot take the one-pass step (None:
+    they can, as far as their options go); probes each new form of update (Note [Probing
+    the one-pass Adam])."""
+    if not ONE_PASS:
+        return "adam_step.ONE_PASS is off"
+    if cls not in (Adam, AdamW):
+        return f"{getattr(cls, '__name__', cls)} is not torch's Adam or AdamW"
+    for i, group in enumerate(groups):
+        on = [key for key in _OFF if group.get(key)]
+        if on:
+            return f"param_groups[{i}] sets {', '.join(on)}"
+        numbers = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
+        if not all(isinstance(x, (float, int)) and not isinstance(x, bool) for x in numbers):
+            return f"param_groups[{i}] has a tensor hyperparameter"
+        form = _form(cls, group)
+        if form[2] and not form[1]:
+            return f"param_groups[{i}]: Adam's L2 weight decay (not decoupled)"
+        if form not in _verdicts:
+            _verdicts[form] = _probe(cls, group)
+        if _verdicts[form] is not None:
+            return _verdicts[form]
+    return None
+
+
+def reason(optim: Optimizer) -> Optional[str]:
+    """Why `optim.step()` must run itself rather than the one-pass step (None: it need
+    not)."""
+    if (getattr(optim, "_optimizer_step_pre_hooks", None) is None
+            or getattr(optim, "_optimizer_step_post_hooks", None) is None):
+        return "this torch's optimizer keeps its step hooks elsewhere"
+    if (optim._optimizer_step_pre_hooks or optim._optimizer_step_post_hooks
+            or getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
+            or getattr(torch_optimizer, "_global_optimizer_post_hooks", {})):
+        return "optimizer step hooks are registered"
+    for group in optim.param_groups:
+        for p in group["params"]:
+            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
+                return f"a {p.dtype} tensor on {p.device}: the step is for float32 on CPU"
+    return options_reason(type(optim), optim.param_groups)
+
+
+@torch.no_grad()
+def step(optim: Optimizer) -> None:
+    """optim.step() for an optimizer `reason(optim)` passed: the state made and advanced
+    as torch's for-loop Adam makes and advances it."""
+    params, grads, exp_avgs, exp_avg_sqs, steps, hyper = [], [], [], [], [], []
+    for group in optim.param_groups:
+        row = [float(group["lr"]), *map(float, group["betas"]), float(group["eps"]),
+               float(group["weight_decay"])]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("Adam does not support sparse gradients, please consider "
+                                   "SparseAdam instead")
+            state = optim.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+            hyper.append(row)
+    if params:
+        _kernel(params, grads, exp_avgs, exp_avg_sqs, steps,
+                torch.tensor(hyper, dtype=torch.float64))
+
+
+def _probe(cls: type, group: dict) -> Optional[str]:
+    """None when the kernel steps like `cls` with `group`'s options, bit for bit; else
+    what differed (Note [Probing the one-pass Adam])."""
+    generator = torch.Generator().manual_seed(1234)
+    options = {k: v for k, v in group.items() if k != "params"}
+    theirs = [torch.randn(n, generator=generator) for n in _PROBE_LENGTHS]
+    ours = [t.clone() for t in theirs]
+    reference = cls([dict(options, params=theirs)])
+    mine = cls([dict(options, params=ours)])
+    for k in range(3):
+        for a, b in zip(theirs, ours):
+            a.grad = torch.randn(a.shape, generator=generator) * 10.0 ** (k - 1)
+            a.grad[: a.numel() // 4] = 0.0  # exp_avg_sq stays zero there, and -0.0 once
+            a.grad[a.numel() // 4 - 1: a.numel() // 4] = -0.0
+            b.grad = a.grad.clone()
+        reference.step()
+        step(mine)
+    for a, b in zip(theirs, ours):
+        sa, sb = reference.state[a], mine.state[b]
+        if set(sa) != set(sb):
+            return f"{cls.__name__}'s state holds {sorted(sa)}, the one-pass step {sorted(sb)}"
+        for key in sa:
+            x, y = sa[key], sb[key]
+            if x.dtype != y.dtype or not torch.equal(x, y):
+                return (f"the one-pass step differs from {cls.__name__}.step() in this torch "
+                        f"build ({key} of a {a.numel()}-element probe)")
+        if not torch.equal(a, b):
+            return (f"the one-pass step differs from {cls.__name__}.step() in this torch "
+                    f"build (a {a.numel()}-element probe's parameter)")
+    return None
