@@ -22,7 +22,8 @@ collectives only sum, with DDP's numerics):
 - step: the wrapped optimizer steps this rank's pieces: views of the parameters (fp32,
   fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with the
   kept gradients (widened to fp32 for a low-precision bucket). 1/world of the optimizer's
-  state and memory traffic per rank.
+  state and memory traffic per rank. On CPU torch's Adam and AdamW are stepped in one pass
+  over memory, with their own bits (adam_step.py; step_kernel says which step ran).
 - then every bucket's parameters are all-gathered, last bucket first (the first layers
   are in the last bucket): each parameter is a view of its bucket's flat parameter buffer,
   which the all-gather fills in place. With overlap_with_ddp=True the all-gathers run
@@ -69,6 +70,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from .. import _C, registry
+from . import adam_step
 from . import layout as shard_layout
 from .checkpoint import ShardedStateDicts
 from .gathers import GatherLog
@@ -124,6 +126,9 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._holds_state = False  # stepped, or loaded: a re-cut must move the state
         self._first_grads = None  # See Note [The first step's buckets]
         self.optim: Optional[Optimizer] = None
+        # what stepped the pieces last: "pycomm one-pass Adam" (adam_step.py), or the
+        # wrapped optimizer's own step and why the one-pass step did not run
+        self.step_kernel: Optional[str] = None
         self._relayout(whole=None)
         if self._ddp is not None:
             self._attach(self._ddp)
@@ -268,11 +273,20 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     def _step_block(self) -> int:
         """The pieces' longest run (0: unblocked): See Note [Stepping in cache-sized
         blocks] in layout.py; blocks for an optimizer that steps CPU tensors one at a
-        time (neither foreach nor fused, in any group)."""
+        time (neither foreach nor fused, in any group), unless the one-pass Adam steps
+        them (adam_step.py), which blocks its own passes."""
         lists = any(g.get(k) for g in [self.defaults, *self.param_groups]
                     for k in ("foreach", "fused"))
         on_cpu = all(p.device.type == "cpu" for p in self._params)
-        return 0 if lists or not on_cpu else shard_layout.STEP_BLOCK
+        if lists or not on_cpu:
+            return 0
+        # the groups as the wrapped optimizer will hold them, its defaults filled in
+        groups = self._optimizer_class(
+            [dict({k: v for k, v in g.items() if k != "params"}, params=[torch.zeros(0)])
+             for g in self.param_groups], **self.defaults).param_groups
+        one_pass = (all(p.dtype in (torch.float32, *_WIDENED) for p in self._params)
+                    and adam_step.options_reason(self._optimizer_class, groups) is None)
+        return 0 if one_pass else shard_layout.STEP_BLOCK
 
     def _sync_groups(self, into_inner: bool = True) -> None:
         """Hyperparameters (lr from a scheduler...) between the full groups and the wrapped
@@ -476,7 +490,13 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._sync_groups()
         for (_, _, main), run in zip(self._pieces, self._grad_runs()):
             main.grad = run if run is None or run.dtype == main.dtype else run.to(main.dtype)
-        self.optim.step(**kwargs)
+        why = adam_step.reason(self.optim) if not kwargs else "step() was given arguments"
+        if why is None:
+            adam_step.step(self.optim)
+            self.step_kernel = "pycomm one-pass Adam"
+        else:
+            self.optim.step(**kwargs)
+            self.step_kernel = f"{type(self.optim).__name__}.step ({why})"
         self._holds_state = True
         self._first_grads = None
         if self._ddp is not None:  # consumed: a joined rank's shadow never zero_grads

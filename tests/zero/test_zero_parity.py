@@ -15,6 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
+from pycomm.zero import adam_step
 from pycomm.zero import layout as shard_layout
 from tests.support.ddp_models import build, loss_of, make_input
 from tests.support.multirank import run_ranks
@@ -48,7 +49,8 @@ def _steps(ddp, opt, rank, model, accumulate, dtype=torch.float32):
 def _parity(rank, world_size, model, shm, options, accumulate, ddp_kwargs, exact, cap=5e-4,
             exact_torch=None, block=None):
     if block is not None:  # See Note [Stepping in cache-sized blocks]: small enough to cut
-        shard_layout.STEP_BLOCK = block
+        shard_layout.STEP_BLOCK = block  # and AdamW's own step, which the blocks are for
+        adam_step.ONE_PASS = False
     base = build(model)
     cfg = pycomm.DDPConfig(shared_memory_gradients=shm, bucket_cap_mb=cap, **ddp_kwargs)
     sharded = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
@@ -65,6 +67,8 @@ def _parity(rank, world_size, model, shm, options, accumulate, ddp_kwargs, exact
         _steps(ddp, opt, rank, model, accumulate)
     zero.wait_for_params()
     assert len(sharded.reducer.bucket_indices()) > 1, "the test needs several buckets"
+    one_pass = block is None and not any(options.values())  # the for-loop AdamW
+    assert (zero.step_kernel == "pycomm one-pass Adam") == one_pass, zero.step_kernel
     if block is not None:
         lengths = [piece.numel for _, piece, _ in zero._pieces]
         assert max(lengths) == block and len(zero.optim.state) == len(lengths), lengths
@@ -169,6 +173,7 @@ def _bf16_main_params(rank, world_size, device="cpu", block=None):
     (tests/gpu/test_zero_on_cuda.py: the DDPs move the inputs, device_ids=[0])."""
     if block is not None:  # fp32 main copies per block
         shard_layout.STEP_BLOCK = block
+        adam_step.ONE_PASS = False
     base = build("mlp").to(device).to(torch.bfloat16)
     cfg = pycomm.DDPConfig(bucket_cap_mb=5e-4, grad_reduce_dtype=torch.float32)
     ids = [0] if device == "cuda" else None

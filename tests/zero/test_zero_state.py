@@ -14,6 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
+from pycomm.zero import adam_step
 from pycomm.zero import layout as shard_layout
 from tests.support.ddp_models import build, loss_of, make_input
 from tests.support.multirank import run_ranks
@@ -122,15 +123,18 @@ def test_clip_takes_the_global_norm_from_the_shards():
 def _save(rank, world_size, folder):
     """Train 6 steps; save the model, the consolidated state dict and every rank's shard;
     check the consolidated one is what a plain AdamW holds after the same training. The
-    pieces are stepped in blocks of 37 elements (Note [Stepping in cache-sized blocks]),
-    which _resume's optimizers, with the default block, do not cut: a shard's runs load
-    onto any cut of the same parameters."""
+    pieces are stepped by AdamW's own step in blocks of 37 elements (Note [Stepping in
+    cache-sized blocks]), which _resume's optimizers, stepped in one pass (adam_step.py),
+    do not cut: a shard's runs load onto any cut of the same parameters, and the state of
+    either step onto the other."""
     shard_layout.STEP_BLOCK = 37
+    adam_step.ONE_PASS = False
     base = build("mlp")
     ddp, zero, plain, adamw = _pair(base, overlap_with_ddp=True)
     for d, o in ((ddp, zero), (plain, adamw)):
         _train(d, o, rank, 6)
     assert max(piece.numel for _, piece, _ in zero._pieces) == 37
+    assert zero.step_kernel.startswith("AdamW.step"), zero.step_kernel
     torch.save(zero.sharded_state_dict(), os.path.join(folder, f"shard{rank}.pt"))
     with pytest.raises(RuntimeError, match="consolidate_state_dict"):
         zero.state_dict()
@@ -171,6 +175,7 @@ def _resume(rank, world_size, folder, saved_world):
         zero.load_state_dict(source)
         assert max(piece.numel for _, piece, _ in zero._pieces) > 37, "the test needs pieces"
         _train(ddp, zero, rank, 4, first=6)
+        assert zero.step_kernel == "pycomm one-pass Adam", zero.step_kernel
         results[name] = ddp
     plain = _ddp(base)
     adamw = torch.optim.AdamW(plain.parameters(), lr=1e-2)
