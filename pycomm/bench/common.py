@@ -55,7 +55,11 @@ def _rank_entry(rank: int, body: Callable, nproc: int, backend: str, tmp: str,
 
 def _init(backend: str, timeout_s: float, **kw: Any) -> None:
     if backend == "nccl":
-        torch.cuda.set_device(kw.get("rank", int(os.environ.get("LOCAL_RANK", 0))))
+        # one GPU per rank, given to the group too (device_id): without it the group's
+        # barrier() guesses the device and warns
+        device = kw.get("rank", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+        kw["device_id"] = torch.device("cuda", device)
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
 
 
