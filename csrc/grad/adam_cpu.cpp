@@ -59,8 +59,10 @@ struct Block {
   int64_t offset, size;
 };
 
-AdamScalars adam_scalars(const double* h, double step) {
-  const double lr = h[0], beta1 = h[1], beta2 = h[2], eps = h[3], weight_decay = h[4];
+// The scalars of tensor i's step number `step`, hyper its row of the op's hyper.
+AdamScalars adam_scalars(const double* hyper, double step, size_t i) {
+  const double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], eps = hyper[3],
+               weight_decay = hyper[4];
   AdamScalars s;
   s.decays = weight_decay != 0.0;
   s.decay = static_cast<float>(1.0 - lr * weight_decay);
@@ -69,6 +71,11 @@ AdamScalars adam_scalars(const double* h, double step) {
   s.one_minus_beta2 = static_cast<float>(1.0 - beta2);
   const double correction1 = 1.0 - std::pow(beta1, step);
   const double correction2 = 1.0 - std::pow(beta2, step);
+  // torch's Python raises ZeroDivisionError on lr / 0 (beta1 = 1); so does this, before
+  // anything is written, rather than step with an infinite step size.
+  TORCH_CHECK_VALUE(correction1 != 0.0, "pycomm::adam_step_: tensor ", i, "'s step ", step,
+                    " has 1 - beta1^step = 0 (beta1 = ", beta1,
+                    "), and the step size lr / (1 - beta1^step) divides by zero");
   s.root_correction = static_cast<float>(std::pow(correction2, 0.5));
   s.eps = static_cast<float>(eps);
   s.neg_step_size = static_cast<float>(-(lr / correction1));
@@ -111,19 +118,26 @@ void adam_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList 
                 op, ": steps[", i, "] must be a one-element float32/float64 CPU tensor, got ",
                 steps[i].scalar_type(), steps[i].sizes());
   }
+  // torch: step_t += 1, then the scalars from step_t.item(); the counters are written
+  // once every tensor's scalars are known to be finite.
+  std::vector<double> next(n);
   for (size_t i = 0; i < n; ++i) {
-    // torch: step_t += 1, then the scalars from step_t.item()
-    double step;
-    if (steps[i].scalar_type() == at::kFloat) {
-      float* st = steps[i].mutable_data_ptr<float>();
-      *st += 1.0f;
-      step = *st;
-    } else {
-      double* st = steps[i].mutable_data_ptr<double>();
-      *st += 1.0;
-      step = *st;
-    }
-    scalars[i] = adam_scalars(h + 5 * i, step);
+    next[i] = steps[i].scalar_type() == at::kFloat
+                  ? static_cast<double>(*steps[i].const_data_ptr<float>() + 1.0f)
+                  : *steps[i].const_data_ptr<double>() + 1.0;
+    scalars[i] = adam_scalars(h + 5 * i, next[i], i);
+  }
+  // The data pointers, taken once here rather than by every task of the parallel loop.
+  std::vector<float*> p(n), m(n), v(n);
+  std::vector<const float*> g(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (steps[i].scalar_type() == at::kFloat)
+      *steps[i].mutable_data_ptr<float>() = static_cast<float>(next[i]);
+    else *steps[i].mutable_data_ptr<double>() = next[i];
+    p[i] = params[i].mutable_data_ptr<float>();
+    g[i] = grads[i].const_data_ptr<float>();
+    m[i] = exp_avgs[i].mutable_data_ptr<float>();
+    v[i] = exp_avg_sqs[i].mutable_data_ptr<float>();
     for (int64_t off = 0; off < params[i].numel(); off += kBlock)
       blocks.push_back({i, off, std::min(kBlock, params[i].numel() - off)});
   }
@@ -136,14 +150,13 @@ void adam_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList 
     for (int64_t b = lo; b < hi; ++b) {
       const Block& k = blocks[static_cast<size_t>(b)];
       const AdamScalars& s = scalars[k.tensor];
-      float* p = params[k.tensor].mutable_data_ptr<float>() + k.offset;
-      const float* g = grads[k.tensor].const_data_ptr<float>() + k.offset;
-      float* m = exp_avgs[k.tensor].mutable_data_ptr<float>() + k.offset;
-      float* v = exp_avg_sqs[k.tensor].mutable_data_ptr<float>() + k.offset;
-      pieces.adam_moments(p, g, m, v, r, k.size, s);
+      float* pk = p[k.tensor] + k.offset;
+      float* mk = m[k.tensor] + k.offset;
+      float* vk = v[k.tensor] + k.offset;
+      pieces.adam_moments(pk, g[k.tensor] + k.offset, mk, vk, r, k.size, s);
       at::Tensor in = root.narrow(0, 0, k.size);
       at::sqrt_out(in, in);  // torch's own square root
-      pieces.adam_update(p, m, v, r, k.size, s);
+      pieces.adam_update(pk, mk, vk, r, k.size, s);
     }
   };
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), kGrainBlocks, run);

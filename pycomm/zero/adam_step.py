@@ -23,9 +23,11 @@ build for the third.
 
 from __future__ import annotations
 
+import struct
 from typing import Optional
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.optim import Adam, AdamW, Optimizer
 from torch.optim import optimizer as torch_optimizer
 
@@ -43,7 +45,13 @@ def _scalar_dtype() -> torch.dtype:
 
 def _form(cls: type, group: dict) -> tuple:
     decoupled = cls is AdamW or group.get("decoupled_weight_decay", False)
-    return cls, decoupled, group["weight_decay"] != 0, abs(1 - group["betas"][0]) < 0.5
+    weight = struct.unpack("f", struct.pack("f", 1 - group["betas"][0]))[0]  # as ATen's
+    return cls, decoupled, group["weight_decay"] != 0, abs(weight) < 0.5
+
+
+def _global_hooks() -> bool:
+    return bool(getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)
+                or getattr(torch_optimizer, "_global_optimizer_post_hooks", None))
 
 
 def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
@@ -54,6 +62,8 @@ def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
         return "adam_step.ONE_PASS is off"
     if cls not in (Adam, AdamW):
         return f"{getattr(cls, '__name__', cls)} is not torch's Adam or AdamW"
+    if _global_hooks():  # (the probe would run them too)
+        return "global optimizer step hooks are registered"
     for i, group in enumerate(groups):
         on = [key for key in _OFF if group.get(key)]
         if on:
@@ -61,6 +71,8 @@ def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
         numbers = [group["lr"], *group["betas"], group["eps"], group["weight_decay"]]
         if not all(isinstance(x, (float, int)) and not isinstance(x, bool) for x in numbers):
             return f"param_groups[{i}] has a tensor hyperparameter"
+        if group["betas"][0] == 1:
+            return f"param_groups[{i}] has beta1 = 1 (torch's step divides by 1 - beta1^step)"
         form = _form(cls, group)
         if form[2] and not form[1]:
             return f"param_groups[{i}]: Adam's L2 weight decay (not decoupled)"
@@ -71,20 +83,41 @@ def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
     return None
 
 
+def _dense_cpu(t: torch.Tensor, dtypes: tuple = (torch.float32,)) -> bool:
+    return t.dtype in dtypes and t.device.type == "cpu" and t.is_contiguous()
+
+
 def reason(optim: Optimizer) -> Optional[str]:
     """Why `optim.step()` must run itself rather than the one-pass step (None: it need
-    not)."""
+    not): its options (options_reason), its hooks, a wrapped step (an LR scheduler built
+    on it counts its calls), or a tensor the kernel does not take (the parameters, their
+    gradients and the state held: contiguous float32 on CPU; the step counter float32 or
+    float64, as a loaded checkpoint may hold it otherwise)."""
     if (getattr(optim, "_optimizer_step_pre_hooks", None) is None
             or getattr(optim, "_optimizer_step_post_hooks", None) is None):
         return "this torch's optimizer keeps its step hooks elsewhere"
-    if (optim._optimizer_step_pre_hooks or optim._optimizer_step_post_hooks
-            or getattr(torch_optimizer, "_global_optimizer_pre_hooks", {})
-            or getattr(torch_optimizer, "_global_optimizer_post_hooks", {})):
+    if optim._optimizer_step_pre_hooks or optim._optimizer_step_post_hooks:
         return "optimizer step hooks are registered"
+    if "step" in vars(optim):
+        return "its step() is wrapped (an LR scheduler built on it, say)"
     for group in optim.param_groups:
         for p in group["params"]:
-            if p.dtype != torch.float32 or p.device.type != "cpu" or not p.is_contiguous():
-                return f"a {p.dtype} tensor on {p.device}: the step is for float32 on CPU"
+            if not _dense_cpu(p):
+                return (f"a parameter of {p.dtype} on {p.device}"
+                        f"{'' if p.is_contiguous() else ', not contiguous'}: the one-pass "
+                        f"step takes contiguous float32 on CPU")
+            if p.grad is not None and not _dense_cpu(p.grad):
+                return "a gradient that is not contiguous float32 on CPU"
+            state = optim.state.get(p)
+            if state:
+                if set(state) != {"step", "exp_avg", "exp_avg_sq"}:
+                    return f"a state of {sorted(state)}"
+                if not (_dense_cpu(state["exp_avg"]) and _dense_cpu(state["exp_avg_sq"])):
+                    return "a state tensor that is not contiguous float32 on CPU"
+                if not (_dense_cpu(state["step"], (torch.float32, torch.float64))
+                        and state["step"].numel() == 1):
+                    return (f"a step counter of {state['step'].dtype} on "
+                            f"{state['step'].device}")
     return options_reason(type(optim), optim.param_groups)
 
 
@@ -116,20 +149,32 @@ def step(optim: Optimizer) -> None:
     if params:
         _kernel(params, grads, exp_avgs, exp_avg_sqs, steps,
                 torch.tensor(hyper, dtype=torch.float64))
+        for written in (params, exp_avgs, exp_avg_sqs, steps):  # as torch's in-place ops
+            for t in written:  # do, so autograd sees a saved tensor changed
+                increment_version(t)
 
 
 def _probe(cls: type, group: dict) -> Optional[str]:
     """None when the kernel steps like `cls` with `group`'s options, bit for bit; else
     what differed (Note [Probing the one-pass Adam])."""
+    try:
+        return _compare(cls, group)
+    except Exception as e:  # noqa: BLE001  (anything the probe meets is a reason not to)
+        return f"the probe of the one-pass step failed: {type(e).__name__}: {e}"
+
+
+def _compare(cls: type, group: dict) -> Optional[str]:
     generator = torch.Generator().manual_seed(1234)
     options = {k: v for k, v in group.items() if k != "params"}
-    theirs = [torch.randn(n, generator=generator) for n in _PROBE_LENGTHS]
+    theirs = [torch.randn(n, generator=generator, dtype=torch.float32)
+              for n in _PROBE_LENGTHS]
     ours = [t.clone() for t in theirs]
     reference = cls([dict(options, params=theirs)])
     mine = cls([dict(options, params=ours)])
     for k in range(3):
         for a, b in zip(theirs, ours):
-            a.grad = torch.randn(a.shape, generator=generator) * 10.0 ** (k - 1)
+            a.grad = torch.randn(a.shape, generator=generator, dtype=torch.float32)
+            a.grad *= 10.0 ** (k - 1)
             a.grad[: a.numel() // 4] = 0.0  # exp_avg_sq stays zero there, and -0.0 once
             a.grad[a.numel() // 4 - 1: a.numel() // 4] = -0.0
             b.grad = a.grad.clone()

@@ -136,15 +136,85 @@ def test_refusals_name_the_reason(make, expect):
     assert why is not None and expect in why, why
 
 
+@pytest.mark.parametrize("spoil, expect", [
+    (lambda o, p: setattr(p, "grad", torch.randn(4, 4).t()), "gradient that is not contiguous"),
+    (lambda o, p: o.state[p].update(step=torch.tensor(3)), "step counter of torch.int64"),
+    (lambda o, p: o.state[p].update(exp_avg=o.state[p]["exp_avg"].double()),
+     "state tensor that is not contiguous float32"),
+    (lambda o, p: torch.optim.lr_scheduler.StepLR(o, 1), "step() is wrapped"),
+    (lambda o, p: o.param_groups[0].update(betas=(1.0, 0.999)), "beta1 = 1"),
+], ids=["strided-grad", "int64-step", "float64-state", "scheduler-on-it", "beta1-one"])
+def test_what_torch_steps_but_the_kernel_does_not_take_falls_back(spoil, expect):
+    """What a checkpoint or a user may leave (a strided gradient, an int64 step counter,
+    state of another dtype, a scheduler that counts the optimizer's own calls, beta1 = 1,
+    where torch raises ZeroDivisionError): refused with the reason, so torch's step runs."""
+    p = torch.randn(4, 4)
+    opt = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn(4, 4)
+    opt.step()
+    spoil(opt, p)
+    why = adam_step.reason(opt)
+    assert why is not None and expect in why, why
+
+
+def test_kernel_refuses_beta1_of_one_before_writing():
+    p, g, m, v, s = torch.ones(4), torch.ones(4), torch.zeros(4), torch.zeros(4), torch.zeros(())
+    hyper = torch.tensor([[1e-3, 1.0, 0.999, 1e-8, 0.01]], dtype=torch.float64)
+    with pytest.raises(ValueError, match="divides by zero"):
+        torch.ops.pycomm.adam_step_([p], [g], [m], [v], [s], hyper)
+    assert float(s) == 0.0 and torch.equal(p, torch.ones(4)) and not m.any()
+
+
+def test_the_step_marks_what_it_wrote_for_autograd():
+    """As torch's in-place operations do: a graph that saved the parameter before the step
+    refuses to backward through it after."""
+    q = torch.randn(10, requires_grad=True)
+    opt = torch.optim.AdamW([q], lr=1e-3)
+    loss = (q * q).sum()
+    q.grad = torch.ones(10)
+    before = q._version
+    adam_step.step(opt)
+    assert q._version > before
+    assert all(t._version > 0 for t in opt.state[q].values())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_a_float64_default_dtype_still_probes_float32():
+    """torch.set_default_dtype(torch.float64) before a float32 model: the probe's tensors
+    stay float32, the step counter follows the default dtype as torch's does."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        adam_step._verdicts.clear()
+        theirs = [torch.randn(37, dtype=torch.float32)]
+        ours = [theirs[0].clone()]
+        ref, mine = torch.optim.AdamW(theirs), torch.optim.AdamW(ours)
+        assert adam_step.reason(mine) is None
+        for _ in range(2):
+            theirs[0].grad = torch.randn(37, dtype=torch.float32)
+            ours[0].grad = theirs[0].grad.clone()
+            ref.step()
+            adam_step.step(mine)
+        _assert_same(theirs, ours, ref, mine, "float64 default dtype")
+        assert mine.state[ours[0]]["step"].dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+        adam_step._verdicts.clear()
+
+
 def test_step_hooks_keep_the_optimizer_s_own_step():
     opt = torch.optim.AdamW([torch.randn(8)])
     handle = opt.register_step_pre_hook(lambda *args: None)
     assert "hooks" in adam_step.reason(opt)
     handle.remove()
     assert adam_step.reason(opt) is None
-    handle = register_optimizer_step_post_hook(lambda *args: None)
+    calls = []
+    handle = register_optimizer_step_post_hook(lambda *args: calls.append(args))
     try:
+        adam_step._verdicts.clear()  # a new form would be probed, but for the hook
         assert "hooks" in adam_step.reason(opt)
+        assert not calls, "the probe ran the user's global hook"
     finally:
         handle.remove()
 
