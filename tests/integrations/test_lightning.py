@@ -210,3 +210,57 @@ def _fit_sharded(rank, world_size, port, root):
 def test_fit_with_the_sharded_optimizer_matches_torch_ddp_and_adamw(tmp_path):
     pytest.importorskip("lightning", reason=_LIGHTNING)
     run_ranks(_fit_sharded, port=free_port(), root=str(tmp_path))
+
+
+def _fit_scaled(rank, world_size, port, root):
+    """fp16 autocast through Lightning's MixedPrecision plugin, its scaler passed in:
+    pycomm.ShardedGradScaler with the sharded optimizer on "pycomm_ddp", against torch's
+    GradScaler with torch's AdamW on Lightning's DDPStrategy. An initial scale of 2^20
+    overflows fp16 in the first steps, so both scalers must skip the same steps on every
+    rank (the found-inf flag all-reduced over the shards: Note [Loss scaling over shards])
+    and end at the same scale; the losses and parameters then agree."""
+    set_launcher_env(rank, world_size, port)
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import pycomm.lightning  # noqa: F401  registers "pycomm_ddp"
+
+    steps = 8
+    g = torch.Generator().manual_seed(2)
+    n = world_size * steps * _BATCH
+    data = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g))
+    fitted = {}
+    for name, strategy, sharded, scaler_class in (
+            ("torch", DDPStrategy(), False, torch.amp.GradScaler),
+            ("pycomm", "pycomm_ddp", True, pycomm.ShardedGradScaler)):
+        torch.manual_seed(0)
+        model = _sharded_module_class(sharded)()
+        scaler = scaler_class("cpu", init_scale=2.0 ** 20)
+        trainer = Trainer(accelerator="cpu", devices=world_size, num_nodes=1, strategy=strategy,
+                          plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+                          max_steps=steps, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False,
+                          default_root_dir=os.path.join(root, name))
+        trainer.fit(model, DataLoader(data, batch_size=_BATCH))
+        fitted[name] = (model, trainer.optimizers[0], scaler)
+    (ours, zero, our_scaler), (theirs, _, their_scaler) = fitted["pycomm"], fitted["torch"]
+    assert isinstance(zero, pycomm.ZeroRedundancyOptimizer) and zero._hook_state.reduce_scatter
+    assert our_scaler.get_scale() == their_scaler.get_scale() < 2.0 ** 20, (
+        our_scaler.get_scale(), their_scaler.get_scale())
+    tol = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(torch.stack(ours.losses), torch.stack(theirs.losses), **tol)
+    zero.wait_for_params()
+    torch.manual_seed(0)
+    moved = False
+    for (_, a), b, start in zip(ours.named_parameters(), theirs.parameters(),
+                                _sharded_module_class(False)().parameters()):
+        torch.testing.assert_close(a, b, **tol)
+        moved = moved or not torch.equal(a, start)
+    assert moved, "every step was skipped: the test needs some taken"
+
+
+def test_fit_with_loss_scaling_over_the_shards_matches_torch(tmp_path):
+    pytest.importorskip("lightning", reason=_LIGHTNING)
+    run_ranks(_fit_scaled, port=free_port(), root=str(tmp_path))
