@@ -151,7 +151,7 @@ inline void adam_moments_piece(float* p, const float* g, float* m, float* v, flo
   // end + (weight - 1) * (end - start).
   const bool small = std::abs(s.weight) < 0.5f;
   const Vec coeff = small ? weight : weight - one;
-  const auto at = [&](int64_t i, int64_t count) {
+  const auto span = [&](int64_t i, int64_t count) {
     Vec pv = Vec::loadu(p + i, count);
     const Vec gv = Vec::loadu(g + i, count);
     const Vec mv = Vec::loadu(m + i, count);
@@ -165,8 +165,8 @@ inline void adam_moments_piece(float* p, const float* g, float* m, float* v, flo
     Vec::blendv(vv, one, vv == zero).store(root + i, count);
   };
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) at(i, Vec::size());
-  if (i < n) at(i, n - i);
+  for (; i + Vec::size() <= n; i += Vec::size()) span(i, Vec::size());
+  if (i < n) span(i, n - i);
 }
 
 // Adam's second pass, `root` holding the square roots of the first pass's `root`:
@@ -176,14 +176,14 @@ inline void adam_update_piece(float* p, const float* m, const float* v, const fl
                               int64_t n, const AdamScalars& s) {
   using Vec = at::vec::Vectorized<float>;
   const Vec correction(s.root_correction), eps(s.eps), step(s.neg_step_size), zero(0.0f);
-  const auto at = [&](int64_t i, int64_t count) {
+  const auto span = [&](int64_t i, int64_t count) {
     const Vec r = Vec::blendv(Vec::loadu(root + i, count), zero, Vec::loadu(v + i, count) == zero);
     const Vec denom = r / correction + eps;
     (Vec::loadu(p + i, count) + step * Vec::loadu(m + i, count) / denom).store(p + i, count);
   };
   int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) at(i, Vec::size());
-  if (i < n) at(i, n - i);
+  for (; i + Vec::size() <= n; i += Vec::size()) span(i, Vec::size());
+  if (i < n) span(i, n - i);
 }
 
 // Type-erased entry points: what cpu_pieces.h's table points at.
