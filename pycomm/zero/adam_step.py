@@ -32,6 +32,7 @@ from torch.optim import Adam, AdamW, Optimizer
 from torch.optim import optimizer as torch_optimizer
 
 ONE_PASS = True  # False: every optimizer steps itself (the tests of blocks set it)
+CLASSES = (Adam, AdamW)  # exactly these: a subclass may step otherwise
 _OFF = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
 _PROBE_LENGTHS = (1, 7, 37, 4099, (1 << 15) + 1001)  # the kernel's block is 1 << 15
 _kernel = torch.ops.pycomm.adam_step_
@@ -60,7 +61,7 @@ def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
     the one-pass Adam])."""
     if not ONE_PASS:
         return "adam_step.ONE_PASS is off"
-    if cls not in (Adam, AdamW):
+    if cls not in CLASSES:
         return f"{getattr(cls, '__name__', cls)} is not torch's Adam or AdamW"
     if _global_hooks():  # (the probe would run them too)
         return "global optimizer step hooks are registered"

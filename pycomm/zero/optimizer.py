@@ -280,12 +280,14 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         on_cpu = all(p.device.type == "cpu" for p in self._params)
         if lists or not on_cpu:
             return 0
+        if (self._optimizer_class not in adam_step.CLASSES
+                or any(p.dtype not in (torch.float32, *_WIDENED) for p in self._params)):
+            return shard_layout.STEP_BLOCK
         # the groups as the wrapped optimizer will hold them, its defaults filled in
         groups = self._optimizer_class(
             [dict({k: v for k, v in g.items() if k != "params"}, params=[torch.zeros(0)])
              for g in self.param_groups], **self.defaults).param_groups
-        one_pass = (all(p.dtype in (torch.float32, *_WIDENED) for p in self._params)
-                    and adam_step.options_reason(self._optimizer_class, groups) is None)
+        one_pass = adam_step.options_reason(self._optimizer_class, groups) is None
         return 0 if one_pass else shard_layout.STEP_BLOCK
 
     def _sync_groups(self, into_inner: bool = True) -> None:
