@@ -70,6 +70,11 @@ at::ScalarType norm_dtype(at::TensorList grads) {
 
 }  // namespace
 
+const CudaClip*& cuda_clip() {
+  static const CudaClip* registered = nullptr;
+  return registered;
+}
+
 void check_total_finite(bool finite, double norm_type) {
   TORCH_CHECK(finite, "The total norm of order ", norm_type,
               " for gradients from `parameters` "
@@ -94,6 +99,16 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
   const bool one_device = std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& t) {
     return t.device() == grads[0].device();
   });
+  if (one_device && grads[0].is_cuda() && !error_if_nonfinite && cuda_clip() != nullptr) {
+    // See Note [Tile plans]: the coefficient never leaves the device, so one pass each
+    std::vector<size_t> strided;
+    bool dense = true;
+    for (const auto& g : grads) dense = dense && is_flat_span(g);
+    if (dense) {
+      const SpanList l = write_spans(grads, strided);
+      return cuda_clip()->clip(l, grads[0].device(), max_norm, norm_type, norm_dtype(grads));
+    }
+  }
   const DeviceGroups groups = one_device ? DeviceGroups{} : split_by_device(grads);
   at::Tensor partial;
   if (one_device) {

@@ -4,6 +4,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
+#include "grad/span_list.h"
+
 namespace pycomm {
 
 // torch.nn.utils.clip_grad_norm_ over gradient tensors (one or more devices); returns the
@@ -13,5 +17,17 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
 
 // error_if_nonfinite's check, with torch's message.
 void check_total_finite(bool finite, double norm_type);
+
+// What a build with CUDA adds to clipping (csrc/grad/clip_cuda.cu registers it when the
+// extension loads; a build without CUDA leaves cuda_clip() null).
+struct CudaClip {
+  // The clip of dense gradients on one CUDA device, given as spans, in two launches and no
+  // host sync (Note [Tile plans]); returns the total norm in `norm_dtype` on that device.
+  at::Tensor (*clip)(const SpanList& spans, c10::Device device, double max_norm, double norm_type,
+                     at::ScalarType norm_dtype);
+  std::pair<int64_t, int64_t> (*plan_counts)();  // (tile plans cached, of them pinned)
+  void (*clear_plans)();                         // drops the unpinned tile plans
+};
+const CudaClip*& cuda_clip();
 
 }  // namespace pycomm

@@ -121,9 +121,49 @@ std::optional<at::Tensor> clip_params_cpu(const pybind11::list& parameters, doub
   return total;
 }
 
+// Whether the CUDA clip may take `t` as a span: a dense floating tensor of the plain kind on
+// `device` (the first gradient's).
+bool is_plain_cuda_span(const at::Tensor& t, c10::Device device) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return impl->device_type() == c10::DeviceType::CUDA && t.device() == device &&
+         impl->layout() == c10::kStrided && !impl->is_python_dispatch() &&
+         at::isFloatingType(t.scalar_type()) && is_flat_span(t) && impl->has_storage();
+}
+
+// Gradients all on one CUDA device, dense, and no nonfinite check (which needs the norm on
+// the host before scaling): the two-launch clip of Note [Tile plans], its spans read from
+// the parameters with the GIL held and no reference taken (the launches only enqueue work;
+// the caching allocator orders a freed gradient's reuse after it on this stream).
+// nullopt: the composite.
+std::optional<at::Tensor> clip_params_cuda(const pybind11::list& parameters, double max_norm,
+                                           double norm_type, bool error_if_nonfinite) {
+  const CudaClip* cuda = cuda_clip();
+  if (cuda == nullptr || error_if_nonfinite) return std::nullopt;
+  SpanList l;
+  l.reserve(parameters.size());
+  std::optional<c10::Device> device;
+  at::ScalarType norm_dtype = at::kFloat;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const at::Tensor& g = grad_of(PyList_GET_ITEM(parameters.ptr(), i), i);
+    if (!g.defined()) continue;
+    if (!device) {
+      if (!g.is_cuda()) return std::nullopt;
+      device = g.device();
+      norm_dtype = g.scalar_type();
+    }
+    if (!is_plain_cuda_span(g, *device)) return std::nullopt;
+    norm_dtype = c10::promoteTypes(norm_dtype, g.scalar_type());
+    l.add(const_cast<void*>(g.const_data_ptr()), g.numel(), g.scalar_type(), i);
+  }
+  if (!device) return std::nullopt;
+  return cuda->clip(l, *device, max_norm, norm_type, norm_dtype);
+}
+
 at::Tensor clip_parameters_(const pybind11::list& parameters, double max_norm, double norm_type,
                             bool error_if_nonfinite) {
   if (auto total = clip_params_cpu(parameters, max_norm, norm_type, error_if_nonfinite))
+    return *std::move(total);
+  if (auto total = clip_params_cuda(parameters, max_norm, norm_type, error_if_nonfinite))
     return *std::move(total);
   std::vector<at::Tensor> grads = read_grads(parameters);
   if (grads.empty()) return at::scalar_tensor(0.0);  // torch.tensor(0.0), as torch returns
@@ -138,6 +178,20 @@ void bind_clip(pybind11::module& m) {
         pybind11::arg("max_norm"), pybind11::arg("norm_type") = 2.0,
         pybind11::arg("error_if_nonfinite") = false,
         "pycomm.clip_grad_norm_ on a list of parameters (reads .grad in C++).");
+  m.def(
+      "_tile_plans",
+      []() -> std::optional<std::pair<int64_t, int64_t>> {
+        if (cuda_clip() == nullptr) return std::nullopt;
+        return cuda_clip()->plan_counts();
+      },
+      "(tile plans cached, of them pinned by a CUDA graph), or None in a build without CUDA "
+      "(Note [Tile plans] in csrc/grad/clip_cuda.cu).");
+  m.def(
+      "_clear_tile_plans",
+      [] {
+        if (cuda_clip() != nullptr) cuda_clip()->clear_plans();
+      },
+      "Drops the tile plans no CUDA graph uses.");
   m.def(
       "_cpu_kernels", [] { return std::string(cpu_pieces().name); },
       "Which build of the CPU inner loops this process runs: 'avx2' or 'default'.");

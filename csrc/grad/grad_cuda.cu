@@ -1,9 +1,9 @@
-// CUDA kernels of the fused gradient ops: per-block partials and one small finishing
-// kernel (deterministic, no atomics, no host sync); lists of tensors go through
-// multi_tensor.cuh, one launch per 320 chunks or 96 tensors, with 16-byte loads.
+// CUDA kernels of the fused gradient ops but clipping's passes (clip_cuda.cu): per-block
+// partials and one small finishing kernel (deterministic, no atomics, no host sync); lists
+// of tensors go through multi_tensor.cuh, one launch per 320 chunks or 96 tensors, with
+// 16-byte loads.
 #include <ATen/Dispatch.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -15,7 +15,6 @@
 #include "grad/block_reduce.cuh"
 #include "grad/grad_math.h"
 #include "grad/multi_tensor.cuh"
-#include "grad/span_list.h"
 
 namespace pycomm {
 namespace {
@@ -63,182 +62,6 @@ at::Tensor sum_squares_cuda(const at::Tensor& x) {
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   return out;
-}
-
-// Calls visit(x, i) for every element of a block's piece, 16-byte loads where aligned.
-template <typename T, typename Visit>
-__device__ inline void for_each_element(const T* x, int64_t n, Visit&& visit) {
-  using P = Pack<T>;
-  int64_t start = 0;
-  if (is_aligned_for<P>(x)) {
-    const int64_t packs = n / P::kSize;
-    const P* xp = reinterpret_cast<const P*>(x);
-    for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-      const P v = xp[i];
-#pragma unroll
-      for (int k = 0; k < P::kSize; ++k) visit(v.v[k]);
-    }
-    start = packs * P::kSize;
-  }
-  for (int64_t i = start + threadIdx.x; i < n; i += blockDim.x) visit(x[i]);
-}
-
-// One norm partial per chunk (See Note [Norm partials]); nonfinite is 0 or nan here.
-template <NormKind K, typename T, typename Out>
-__global__ void norm_partial_kernel(ChunkTable<1> table, Out* __restrict__ partial,
-                                    int64_t first_block, double p) {
-  using Acc = at::opmath_type<T>;
-  const BlockPiece piece = block_piece(table);
-  const T* x = static_cast<const T*>(table.ptr[0][piece.slot]) + piece.offset;
-  const Acc pa = static_cast<Acc>(p);
-  Acc acc(0), nf(0);
-  for_each_element(x, piece.n, [&](T e) {
-    const Acc v = static_cast<Acc>(e);
-    acc = norm_step<K, Acc>(acc, v, pa);
-    nf += v - v;
-  });
-  acc = block_reduce(acc, Combine<K, Acc>{});
-  nf = block_reduce(nf, Plus<Acc>{});
-  if (threadIdx.x == 0) {
-    partial[2 * (first_block + blockIdx.x)] = static_cast<Out>(acc);
-    partial[2 * (first_block + blockIdx.x) + 1] = static_cast<Out>(nf);
-  }
-}
-
-// Folds `count` chunk partials into out = [acc, nonfinite 0/1], in a fixed order.
-template <NormKind K, typename Out>
-__global__ void finish_partials_kernel(const Out* __restrict__ partial, int64_t count,
-                                       Out* __restrict__ out) {
-  Out acc(0), nf(0);
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
-    acc = norm_combine<K, Out>(acc, partial[2 * i]);
-    nf += partial[2 * i + 1];
-  }
-  acc = block_reduce(acc, Combine<K, Out>{});
-  nf = block_reduce(nf, Plus<Out>{});
-  if (threadIdx.x == 0) {
-    out[0] = acc;
-    out[1] = nf != nf ? Out(1) : Out(0);
-  }
-}
-
-// The list's spans grouped by dtype: one set of launches per dtype.
-struct DtypeGroup {
-  at::ScalarType dtype;
-  std::vector<std::array<void*, 1>> ptrs;
-  std::vector<int64_t> numels;
-};
-
-std::vector<DtypeGroup> group_by_dtype(const SpanList& l) {
-  std::vector<DtypeGroup> groups;
-  for (const Span& s : l.spans) {
-    auto it = std::find_if(groups.begin(), groups.end(),
-                           [&](const DtypeGroup& g) { return g.dtype == s.dtype; });
-    if (it == groups.end()) it = groups.insert(groups.end(), DtypeGroup{s.dtype, {}, {}});
-    it->ptrs.push_back({s.data});
-    it->numels.push_back(s.numel);
-  }
-  return groups;
-}
-
-template <NormKind K, typename Out>
-void launch_norm_partial(const std::vector<DtypeGroup>& groups, double p, Out* partial, Out* out,
-                         cudaStream_t stream) {
-  int64_t base = 0;
-  for (const DtypeGroup& g : groups) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.dtype, "norm_partial_cuda", [&] {
-      launch_chunks<1>(g.ptrs, g.numels, [&](const ChunkTable<1>& t, int blocks, int64_t first) {
-        norm_partial_kernel<K, scalar_t, Out>
-            <<<blocks, kThreads, 0, stream>>>(t, partial, base + first, p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-    });
-    base += count_chunks(g.numels);
-  }
-  finish_partials_kernel<K, Out><<<1, kThreads, 0, stream>>>(partial, base, out);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-at::Tensor norm_partial_cuda(at::TensorList tensors, double norm_type) {
-  constexpr const char* op = "pycomm::norm_partial";
-  const NormKind kind = norm_kind(norm_type, op);
-  const c10::cuda::CUDAGuard guard(check_tensor_list(tensors, op, "tensors"));
-  std::vector<at::Tensor> copies;
-  const auto groups = group_by_dtype(read_spans(tensors, copies));
-  int64_t chunks = 0;
-  for (const auto& g : groups) chunks += count_chunks(g.numels);
-  const auto opts = tensors[0].options().dtype(partial_dtype(tensors));
-  auto partial = at::empty({2 * std::max<int64_t>(chunks, 1)}, opts);
-  auto out = at::empty({2}, opts);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  with_norm_kind(kind, [&](auto k) {
-    AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "norm_partial_cuda_out", [&] {
-      launch_norm_partial<decltype(k)::value, scalar_t>(groups, norm_type,
-                                                        partial.mutable_data_ptr<scalar_t>(),
-                                                        out.mutable_data_ptr<scalar_t>(), stream);
-    });
-  });
-  return out;
-}
-
-// x *= factor. The factor is read on the device first: at 1 (clipping inactive) every
-// block returns before touching memory, so skipping the pass needs no host sync.
-template <typename T, typename C>
-__global__ void scale_kernel(ChunkTable<1> table, const C* __restrict__ factor) {
-  using Acc = at::opmath_type<T>;
-  const Acc c = static_cast<Acc>(*factor);
-  if (c == Acc(1)) return;
-  const BlockPiece piece = block_piece(table);
-  T* x = static_cast<T*>(table.ptr[0][piece.slot]) + piece.offset;
-  using P = Pack<T>;
-  int64_t start = 0;
-  if (is_aligned_for<P>(x)) {
-    const int64_t packs = piece.n / P::kSize;
-    P* xp = reinterpret_cast<P*>(x);
-    for (int64_t i = threadIdx.x; i < packs; i += blockDim.x) {
-      P v = xp[i];
-#pragma unroll
-      for (int k = 0; k < P::kSize; ++k) v.v[k] = static_cast<T>(static_cast<Acc>(v.v[k]) * c);
-      xp[i] = v;
-    }
-    start = packs * P::kSize;
-  }
-  for (int64_t i = start + threadIdx.x; i < piece.n; i += blockDim.x)
-    x[i] = static_cast<T>(static_cast<Acc>(x[i]) * c);
-}
-
-void scale_cuda_(at::TensorList tensors, const at::Tensor& factor_in) {
-  constexpr const char* op = "pycomm::scale_";
-  const c10::Device device = check_tensor_list(tensors, op, "tensors");
-  TORCH_CHECK(factor_in.numel() == 1 && at::isFloatingType(factor_in.scalar_type()), op,
-              ": factor must be a one-element floating tensor, got shape ", factor_in.sizes(),
-              " and dtype ", factor_in.scalar_type());
-  TORCH_CHECK(factor_in.device() == device || factor_in.device().is_cpu(), op, ": factor is on ",
-              factor_in.device(), " but tensors are on ", device);
-  const c10::cuda::CUDAGuard guard(device);
-  at::Tensor factor = factor_in;
-  if (factor.device().is_cpu()) {  // a host value: decide here, move it without a sync
-    const double c = factor.item<double>();
-    if (c == 1.0) return;
-    factor = at::full({}, c, tensors[0].options().dtype(at::kDouble));
-  }
-  std::vector<size_t> strided;
-  const auto groups = group_by_dtype(write_spans(tensors, strided));
-  for (size_t i : strided) tensors[i].mul_(factor);
-  auto stream = c10::cuda::getCurrentCUDAStream();
-  for (const DtypeGroup& g : groups) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g.dtype, "scale_cuda_", [&] {
-      using T = scalar_t;
-      AT_DISPATCH_FLOATING_TYPES_AND2(
-          at::kHalf, at::kBFloat16, factor.scalar_type(), "scale_cuda_factor", [&] {
-            const scalar_t* f = factor.const_data_ptr<scalar_t>();
-            launch_chunks<1>(g.ptrs, g.numels, [&](const ChunkTable<1>& t, int blocks, int64_t) {
-              scale_kernel<T, scalar_t><<<blocks, kThreads, 0, stream>>>(t, f);
-              C10_CUDA_KERNEL_LAUNCH_CHECK();
-            });
-          });
-    });
-  }
 }
 
 // acc += scale * grad; TA is TG, or float32 for a half/bfloat16 TG. Loads as many grad
@@ -358,8 +181,6 @@ std::tuple<at::Tensor, at::Tensor> clip_coef_cuda(const at::Tensor& partial, dou
 
 TORCH_LIBRARY_IMPL(pycomm, CUDA, m) {
   m.impl("sum_squares", &sum_squares_cuda);
-  m.impl("norm_partial", &norm_partial_cuda);
-  m.impl("scale_", &scale_cuda_);
   m.impl("accumulate_", &accumulate_cuda_);
   m.impl("clip_coef", &clip_coef_cuda);
 }

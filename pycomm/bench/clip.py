@@ -4,6 +4,7 @@ Single process, side by side in one run: every repetition times each method once
 turn, on the same gradients, so ratios hold while absolute times swing on a shared host.
 Cases: a GPT-2-small-like set (148 tensors, 124M elements) and 1,000 tensors of 1,024
 elements; clipping active (max_norm below the norm) and inactive (far above it).
+On CUDA, "pycomm-graph" is pycomm's clip captured in a CUDA graph and replayed.
 Effective GB/s counts the traffic clipping needs (read once for the norm; read and
 write again to scale when active), the same bytes for every method; `%copy` relates it to
 a large tensor copy measured in the same run (read + write bytes / time). `normerr` is each
@@ -149,6 +150,21 @@ def _count_wrong(shapes, dtype, device, rel: float) -> int:
     return wrong + (not torch.allclose(total.double(), norm, **tol))
 
 
+def _graph_replay(grads: list[torch.Tensor], rel: float) -> Callable:
+    """pycomm's clip captured in a CUDA graph and replayed (Note [Tile plans]): what a
+    captured training step pays for it, host work and launches gone. It clips its own copy
+    of the gradients with the max_norm fixed at capture (rel x their norm then: each replay
+    of an active clip shrinks them by rel, as the other methods' calls do)."""
+    holders = [_holder(g.clone()) for g in grads]
+    norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
+    max_norm = rel * norm
+    pycomm_clip.clip_grad_norm_(holders, 1e30)  # the plan, made outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        pycomm_clip.clip_grad_norm_(holders, max_norm)
+    return lambda _ps, _m: graph.replay()
+
+
 def rotated(items: list, rep: int) -> list:
     """The methods of repetition `rep`, rotated by one each repetition: each runs first,
     and right after each other, equally often. A method always run after torch's
@@ -169,11 +185,15 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
     for mode, rel in MODES.items():
         norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
         methods = list(_methods().items())
+        if device.type == "cuda":
+            methods.append(("pycomm-graph", _graph_replay(grads, rel)))
+            errors["pycomm-graph"] = errors["pycomm"]  # the same kernels, replayed
         samples = {name: [] for name, _ in methods}
         for rep in range(cfg.warmup + cfg.reps):  # interleaved: every method once per rep
             for name, fn in rotated(methods, rep):
                 sec = _time(lambda fn=fn, m=rel * norm: fn(holders, m), device)
-                norm = min(norm, rel * norm)  # the norm the next call sees
+                if name != "pycomm-graph":  # which clips a copy of its own
+                    norm = min(norm, rel * norm)  # the norm the next call sees
                 if rep >= cfg.warmup:
                     samples[name].append(sec)
         traffic = nbytes * (3 if mode == "active" else 1)
