@@ -78,10 +78,12 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
 // passes over every gradient (DDP 1.34x its no_sync step on the bench MLP on CPU,
 // benchmarks/results/ddp_one_rank_cpu.md). Here the bucket takes the in-place path (Note
 // [Gradients reduced in place] in in_place.cpp, with every condition it sets) on any
-// backend, and its "collective" is the scaling alone: none at all when the scale is 1, as
-// it is unless join() changed the divisor. param.grad ends with the bits the bucket gives
-// (x * 1.0 == x), so the parameters stay bitwise torch's. No step label either: there is
-// no other rank to disagree with.
+// backend and device, in any floating dtype (a one-GPU NCCL group too, where torch's DDP
+// still copies every gradient twice and runs NCCL over one rank), and its "collective" is
+// the scaling alone: none at all when the scale is 1, as it is unless join() changed the
+// divisor. param.grad ends with the bits the bucket gives (x * 1.0 == x), so the
+// parameters stay bitwise torch's. No step label either: there is no other rank to
+// disagree with.
 FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/,
                                          const std::vector<at::Tensor>& /*params*/,
                                          std::vector<at::Tensor> grads, double scale,

@@ -26,6 +26,12 @@ class CommHook {
   // Whether run_in_place can reduce a bucket's gradients where they are (See Note
   // [Gradients reduced in place] in reducer/in_place.cpp).
   virtual bool reduces_in_place() const { return false; }
+  // Whether it can for a bucket of `buffer`'s device and dtype: the shared-memory pieces
+  // take float32 and float64 CPU buckets.
+  virtual bool reduces_in_place_on(const at::Tensor& buffer) const {
+    const at::ScalarType dtype = buffer.scalar_type();
+    return buffer.device().is_cpu() && (dtype == at::kFloat || dtype == at::kDouble);
+  }
   // Start reducing every rank's `grads` (the bucket's, in slot order) times `scale` where
   // they are: the default all-reduce writes the sum back into them; the future completes
   // when the hook's result is in place.
@@ -55,6 +61,10 @@ class AllreduceSumHook final : public CommHook {
   // and on a group of one rank, whose sum is the gradients themselves (See Note [One rank
   // reduces nothing] in comm_hook.cpp).
   bool reduces_in_place() const override { return alone_ || bucket_ops_ != nullptr; }
+  // Alone, on any device and floating dtype: there is nothing to move.
+  bool reduces_in_place_on(const at::Tensor& buffer) const override {
+    return alone_ || CommHook::reduces_in_place_on(buffer);
+  }
   FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                          std::vector<at::Tensor> grads, double scale,
                          const comm::OpLabel& label) override;

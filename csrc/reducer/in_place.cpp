@@ -26,7 +26,8 @@ namespace pycomm::reducer {
 // gate, batched_grad_copy, find_unused_parameters or static_graph (an unused parameter's
 // slot is zeros that param.grad does not have), grad_reduce_dtype (the wide copy is the bucket),
 // nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient
-// must be a defined, dense CPU tensor of the bucket's dtype (float32 or float64) without
+// must be a defined, dense tensor on the bucket's device, of its dtype (float32 or float64
+// on CPU for the shared-memory pieces; any device and floating dtype alone) without
 // autograd history (create_graph), laid out in memory as its bucket slot is (the same
 // strides): then its bytes are in the order of the slot's, which is what lets ranks whose
 // bucket went through the buffer and ranks whose did not add the same elements together.
@@ -59,7 +60,7 @@ bool Reducer::grads_share_memory() const {
   std::vector<at::Tensor> grads;
   grads.reserve(params_.size());
   for (const auto& param : params_) {
-    if (param.grad().defined() && param.grad().device().is_cpu()) grads.push_back(param.grad());
+    if (param.grad().defined()) grads.push_back(param.grad());
   }
   return shm::any_overlap(grads);
 }
@@ -77,7 +78,7 @@ bool Reducer::keeps_in_place(Bucket& bucket, size_t slot) {
 bool Reducer::qualifies_in_place(const Bucket& bucket, size_t slot) const {
   const at::Tensor& grad = params_[bucket.params[slot]].grad();
   const at::Tensor& view = bucket.views[slot];
-  return grad.defined() && grad.device().is_cpu() && grad.layout() == at::kStrided &&
+  return grad.defined() && grad.device() == view.device() && grad.layout() == at::kStrided &&
          grad.scalar_type() == view.scalar_type() && grad.is_non_overlapping_and_dense() &&
          grad.strides() == view.strides() && !grad.requires_grad() && !grad.is_neg() &&
          !grad.is_conj() && !grad.is_alias_of(view);

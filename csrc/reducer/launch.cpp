@@ -38,9 +38,7 @@ void Reducer::begin_backward_locked() {
   scale_ = at::native::wrapped_scalar_tensor(scale_value_);
   const bool in_place = in_place_allowed() && !grads_share_memory();
   for (auto& bucket : layout_.buckets()) {
-    const at::ScalarType dtype = bucket->buffer.scalar_type();
-    bucket->in_place = in_place && bucket->buffer.device().is_cpu() &&
-                       (dtype == at::kFloat || dtype == at::kDouble);
+    bucket->in_place = in_place && hook_->reduces_in_place_on(bucket->buffer);
   }
   queue_finalize();
   for (size_t index : usage_.unused()) ++layout_.bucket_of(index).unused;

@@ -21,6 +21,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from tests.support import gpu
 
@@ -125,3 +126,45 @@ def _clipping(rank, world_size):
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_clipping_during_backward_on_cuda_matches_torch(group):
     _run_on(group, _clipping)
+
+
+def _one_rank_in_place(rank, world_size):
+    """Note [One rank reduces nothing] on a one-GPU NCCL group: every bucket reduced where
+    its gradients are (the step report says so), param.grad the tensor autograd made, with
+    torch's DDP's bits, in fp32 and in bf16; the DDP clip from bucket norms still clips."""
+    _on_the_gpu()
+    for model, cap, dtype in (("mlp", TINY, torch.float32), ("mlp", ONE, torch.float32),
+                              ("attn", ONE, torch.float32), ("mlp", ONE, torch.bfloat16)):
+        base = build(model).cuda().to(dtype)
+        ours = pycomm.DistributedDataParallel(copy.deepcopy(base), device_ids=[0],
+                                              config=pycomm.DDPConfig(bucket_cap_mb=cap))
+        ref = TorchDDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=cap)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (ours, ref)]
+        what = f"{model} cap={cap} {dtype}"
+        for step in range(3):
+            made = {}
+            hooks = [p.register_post_accumulate_grad_hook(
+                lambda q, made=made: made.__setitem__(id(q), q.grad)) for p in ours.parameters()]
+            x = make_input(model, rank, step).cuda()
+            for m, opt in zip((ours, ref), opts):
+                opt.zero_grad()
+                loss_of(m(x if x.dtype == torch.long else x.to(dtype))).backward()
+            for h in hooks:
+                h.remove()
+            buckets = ours.timelines(1)[0]["buckets"]
+            assert buckets and all(b["in_place"] for b in buckets), f"{what}: {buckets}"
+            for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+                assert p.grad is made[id(p)], f"{what}: {name}'s gradient was replaced"
+                assert torch.equal(p.grad, q.grad), f"{what} step {step}: {name}"
+            ours.clip_grad_norm_(1e-3)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+            for opt in opts:
+                opt.step()
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            tol = 1e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+            torch.testing.assert_close(p, q, rtol=tol, atol=1e-7,
+                                       msg=lambda m, n=f"{what} {name}": f"{n}: {m}")
+
+
+def test_one_rank_reduces_in_place_on_cuda():
+    _run_on("nccl-world1", _one_rank_in_place)
