@@ -466,7 +466,7 @@ def configure(ns: argparse.Namespace) -> Config:
     """Every check of the command line, before any rank starts (a UsageError names the
     flag)."""
     models = _names("--models", ns.models, MODELS)
-    default = sharded.ADAMW_IMPLS if ns.optimizer == "adamw" else DEFAULT_IMPLS
+    default = sharded.ADAMW_IMPLS if ns.optimizer != "sgd" else DEFAULT_IMPLS
     impls = _names("--impls", ns.impls or ",".join(default), tuple(IMPLS))
     for flag, value, low in (("--nproc", ns.nproc, 1), ("--reps", ns.reps, 1),
                              ("--steps", ns.steps, 1), ("--warmup", ns.warmup, 0),

@@ -115,6 +115,9 @@ def _scaled(rank, world_size):
 def _parity_cases(rank, world_size):
     _parity(rank, world_size)  # foreach, the CUDA default
     _parity(rank, world_size, foreach=False)
+    # torch's fused multi-tensor kernel on the flat pieces: each element's update reads that
+    # element alone, so the pieces step to the bits the whole parameters get
+    _parity(rank, world_size, fused=True)
 
 
 @pytest.mark.parametrize("group", list(GROUPS))
