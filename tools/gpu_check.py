@@ -12,13 +12,18 @@ lent machine should bring back as much as it can):
   tests  tests/gpu/ (pycomm's DDP on CUDA against torch's, the fused kernels against torch's
          foreach, pycomm-bench collectives on NCCL) and the CUDA cases of tests/grad/, with
          PYCOMM_REQUIRE_CUDA=1 so that a GPU test that would skip fails instead.
-  bench  pycomm-bench clip (against torch's foreach, and as a share of the copy bandwidth),
-         pycomm-bench ddp on a one-GPU NCCL group (torch's DDP and pycomm's side by side),
-         pycomm-bench collectives on NCCL (the size sweep).
+  bench  pycomm-bench clip (against torch's foreach, and as a share of the copy bandwidth;
+         eager and replayed in a CUDA graph), pycomm-bench ddp on a one-GPU NCCL group
+         (torch's DDP and pycomm's side by side; with SGD, and with torch's fused AdamW,
+         sharded too), pycomm-bench collectives on NCCL (the size sweep),
+         benchmarks/gpu_one_rank.py (the one-rank step against the bare module) and
+         benchmarks/gpu_overlap.py (two Gloo ranks sharing the GPU: the per-bucket report
+         and a torch.profiler trace of the streams, archived in traces.tar.gz).
 The record: benchmarks/results/gpu_check_<date>_<gpu>.md and .json (device, driver, CUDA,
 torch, NCCL, Python, commit, date, the command; each step's outcome; the benchmarks'
-tables), with each step's log beside it in a folder that is not committed. Where $OUT is
-set (the device machine's return folder) the record and the logs are copied there too.
+tables), with each step's log beside it in a folder that is not committed; both are written
+after every step, so a run cut off keeps what it measured. Where $OUT is set (the device
+machine's return folder) the record, the logs and the traces are copied there too.
 
 Exit status: 0 when every step passed; 1 when one failed; 2 when no CUDA device was found
 (with --dry-run: 0 once the plan checked out, saying that no device was found).
@@ -35,6 +40,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -54,12 +60,20 @@ BENCHES = [
     ("ddp_nccl_1gpu", ["ddp", "--nproc", "1", "--backend", "nccl", "--models",
                        "mlp,transformer", "--impls", "torch,pycomm", "--samples", "256",
                        "--threads", "4"]),
-    ("ddp_adamw_nccl_1gpu", ["ddp", "--nproc", "1", "--backend", "nccl", "--optimizer",
-                             "adamw", "--models", "mlp", "--samples", "128", "--threads",
-                             "4"]),
+    # the sharded step with torch's fused AdamW on its flat pieces, against torch's DDP and
+    # pycomm's with the same fused AdamW
+    ("ddp_adamw_fused_nccl_1gpu", ["ddp", "--nproc", "1", "--backend", "nccl", "--optimizer",
+                                   "adamw_fused", "--impls", "torch,pycomm,pycomm_zero",
+                                   "--models", "mlp,transformer", "--samples", "256",
+                                   "--threads", "4"]),
     ("collectives_nccl", ["collectives", "all_reduce", "all_gather", "reduce_scatter",
                           "broadcast", "--nproc", "1", "--backend", "nccl", "-b", "8",
                           "-e", "1G", "-f", "4", "-d", "float32,bfloat16"]),
+]
+# (name, script under benchmarks/ and its arguments; {logs} is the step's log folder)
+SCRIPTS = [
+    ("one_rank", ["gpu_one_rank.py", "--json", "{logs}/one_rank.json"]),  # bare vs DDPs
+    ("overlap", ["gpu_overlap.py", "--out", "{logs}"]),  # the streams' trace, per bucket
 ]
 TIMEOUT_S = {"build": 900, "tests": 900, "bench": 300}  # per command
 
@@ -257,6 +271,20 @@ def step_bench(env: dict, logs: Path, run_env: dict) -> dict:
                                "table": out.strip()[-6000:], "json": data})
         result["ok"] &= rc == 0
         result["seconds"] = round(result["seconds"] + secs, 1)
+    for name, args in SCRIPTS:
+        argv = [sys.executable, str(REPO / "benchmarks" / args[0]),
+                *(a.format(logs=logs) for a in args[1:])]
+        rc, secs, out = _run(argv, logs / "bench.log", run_env, TIMEOUT_S["bench"])
+        result["runs"].append({"name": name, "command": "python benchmarks/" + " ".join(args),
+                               "rc": rc, "seconds": round(secs, 1),
+                               "table": out.strip()[-6000:], "json": None})
+        result["ok"] &= rc == 0
+        result["seconds"] = round(result["seconds"] + secs, 1)
+    traces = sorted(logs.glob("*_trace.json"))
+    if traces:  # one archive: the device machine returns few files
+        with tarfile.open(logs / "traces.tar.gz", "w:gz") as tar:
+            for t in traces:
+                tar.add(t, arcname=t.name)
     return result
 
 
@@ -288,6 +316,17 @@ def markdown(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _write(record: dict, record_dir: Path, stem: str, logs: Path) -> None:
+    """The record as it stands, and (where $OUT is set) it and the logs copied there."""
+    (record_dir / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
+    (record_dir / f"{stem}.md").write_text(markdown(record))
+    out = os.environ.get("OUT")
+    if out:
+        for f in [record_dir / f"{stem}.json", record_dir / f"{stem}.md", *logs.glob("*.log"),
+                  *logs.glob("traces.tar.gz")]:
+            shutil.copy(f, out)
+
+
 def dry_run(env: dict) -> int:
     from pycomm.bench.__main__ import parse
 
@@ -299,6 +338,11 @@ def dry_run(env: dict) -> int:
     for name, args in BENCHES:
         parse(args)  # exits 2 naming the argument if a command line went stale
         print(f"  bench: pycomm-bench {' '.join(args)} --json <logs>/{name}.json")
+    for name, args in SCRIPTS:
+        script = REPO / "benchmarks" / args[0]
+        if not script.exists():
+            raise SystemExit(f"gpu_check: {name}: {script} is missing")
+        print(f"  bench: python benchmarks/{' '.join(args)}")
     here = _capture([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                      "tests/gpu"]).splitlines() or ["(pytest printed nothing)"]
     print("  tests/gpu here: " + "; ".join(ln for ln in here if ln.startswith("SKIPPED"))
@@ -345,12 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         record["steps"][name] = globals()[f"step_{name}"](env, logs, run_env)
         print(f"gpu_check: {name} {'passed' if record['steps'][name]['ok'] else 'FAILED'} "
               f"({record['steps'][name]['seconds']} s)", flush=True)
-    (record_dir / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
-    (record_dir / f"{stem}.md").write_text(markdown(record))
-    out = os.environ.get("OUT")
-    if out:
-        for f in [record_dir / f"{stem}.json", record_dir / f"{stem}.md", *logs.glob("*.log")]:
-            shutil.copy(f, out)
+        _write(record, record_dir, stem, logs)  # after each step: a cut-off run keeps it
     print(markdown(record))
     return 0 if all(s["ok"] for s in record["steps"].values()) else 1
 
