@@ -93,6 +93,9 @@ class Config:
     trace: str = ""  # folder for each pycomm variant's Chrome trace of its last timed steps
     progress: bool = False  # rank 0 says on stderr which model, variant and rep runs
     optimizer: str = "sgd"  # sharded.OPTIMIZERS: every implementation steps this one
+    # where the model lives: "" for the backend's device (a GPU under NCCL, else the CPU);
+    # "cuda" puts Gloo ranks on the GPU (several ranks sharing one device)
+    device: str = ""
 
     def variants(self) -> tuple[str, ...]:
         """The implementations timed: each of `impls`, or with `compile` each compiled and
@@ -252,7 +255,8 @@ def _say(cfg: Config, text: str) -> None:
 
 def run_model(cfg: Config, name: str) -> list[Result]:
     module, x = build_model(name, cfg.samples)
-    device = common.device_of(dist.get_backend())  # the rank's GPU under NCCL
+    device = (torch.device(cfg.device) if cfg.device  # the rank's GPU under NCCL
+              else common.device_of(dist.get_backend()))
     module, x = module.to(device), x.to(device)
     variants = cfg.variants()
     runs = {}
@@ -422,6 +426,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --hosts: shape each host's link to this rate with tc tbf "
                         "(default: unshaped)")
     p.add_argument("--backend", default=None, help="default: nccl with GPUs, else gloo")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where the model lives (default: the GPU under NCCL, else the CPU); "
+                        "cuda with gloo puts every rank on the GPU")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {MODELS}")
     p.add_argument("--impls", default=None,
                    help=f"comma list of {tuple(IMPLS)}, timed side by side (default "
@@ -485,13 +492,17 @@ def configure(ns: argparse.Namespace) -> Config:
         if os.path.exists(ns.trace) and not os.path.isdir(ns.trace):
             raise UsageError("--trace", f"{ns.trace!r} is not a folder")
         os.makedirs(ns.trace, exist_ok=True)
+    if ns.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device", "cuda asked for, but torch sees no CUDA device")
+    if ns.device == "cpu" and ns.backend == "nccl":
+        raise UsageError("--device", "cpu with --backend nccl: NCCL reduces GPU tensors only")
     hosts = ""
     if ns.hosts:
         link = "unshaped" if ns.link_gbit is None else f"{ns.link_gbit:g} Gbit/s (tbf)"
         hosts = f"{ns.hosts} hosts x {ns.ranks_per_host} ranks, link {link}"
     return Config(models, impls, ns.bucket_cap_mb, ns.warmup, ns.reps, ns.steps, ns.threads,
                   ns.compile, ns.compile_backend, hosts, ns.samples, ns.clip, ns.trace,
-                  progress=True, optimizer=ns.optimizer)
+                  progress=True, optimizer=ns.optimizer, device=ns.device or "")
 
 
 def main(ns: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from pycomm.bench import ddp
 
@@ -156,6 +157,9 @@ def test_adamw_compares_the_sharded_implementations(tmp_path):
     (["--json", "/nonexistent/r.json"], "--json: cannot write '/nonexistent/r.json'"),
     (["--trace", "/nonexistent/traces"], "--trace: cannot write '/nonexistent/traces'"),
     (["--trace", "/etc/hostname"], "--trace: '/etc/hostname' is not a folder"),
+    (["--device", "cpu", "--backend", "nccl"], "--device: cpu with --backend nccl"),
+    *([(["--device", "cuda"], "--device: cuda asked for, but torch sees no CUDA device")]
+      if not torch.cuda.is_available() else []),
 ])
 def test_bad_arguments_are_one_line_before_any_rank_starts(args, says):
     out = subprocess.run([sys.executable, "-m", "pycomm.bench", "ddp", *args],
