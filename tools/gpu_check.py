@@ -10,7 +10,8 @@ lent machine should bring back as much as it can):
   build  PYCOMM_CUDA=1 python setup.py build_ext --inplace, for this GPU's architecture;
          then pycomm._C.cuda must be True.
   tests  tests/gpu/ (pycomm's DDP on CUDA against torch's, the fused kernels against torch's
-         foreach, pycomm-bench collectives on NCCL) and the CUDA cases of tests/grad/, with
+         foreach, pycomm-bench collectives on NCCL), the CUDA cases of tests/grad/ and the
+         docs' GPU examples (docs/gpu.md), with
          PYCOMM_REQUIRE_CUDA=1 so that a GPU test that would skip fails instead.
   bench  pycomm-bench clip (against torch's foreach, and as a share of the copy bandwidth;
          eager and replayed in a CUDA graph), pycomm-bench ddp on a one-GPU NCCL group
@@ -52,7 +53,10 @@ STEPS = ("build", "tests", "bench")
 # What each step runs; {py} is this interpreter, {cores} this machine's cores.
 TESTS = [["{py}", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/gpu"],
          ["{py}", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "cuda",
-          "tests/grad/test_clip.py", "tests/grad/test_ops.py"]]
+          "tests/grad/test_clip.py", "tests/grad/test_ops.py"],
+         # the docs' GPU examples (docs/gpu.md, marked <!-- run: gpu ranks=N -->)
+         ["{py}", "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-k", "gpu.md",
+          "tests/packaging/test_docs.py"]]
 # (name, pycomm-bench arguments): the JSON each writes goes to <logs>/<name>.json
 BENCHES = [
     ("clip_float32", ["clip", "--device", "cuda", "--dtype", "float32"]),
@@ -66,6 +70,11 @@ BENCHES = [
                                    "adamw_fused", "--impls", "torch,pycomm,pycomm_zero",
                                    "--models", "mlp,transformer", "--samples", "256",
                                    "--threads", "4"]),
+    # the same on two Gloo ranks sharing the GPU: the sharded step at world 2
+    ("ddp_adamw_fused_gloo_2ranks_1gpu", ["ddp", "--nproc", "2", "--backend", "gloo",
+                                          "--device", "cuda", "--optimizer", "adamw_fused",
+                                          "--impls", "torch,pycomm,pycomm_zero", "--models",
+                                          "mlp", "--samples", "256", "--threads", "4"]),
     ("collectives_nccl", ["collectives", "all_reduce", "all_gather", "reduce_scatter",
                           "broadcast", "--nproc", "1", "--backend", "nccl", "-b", "8",
                           "-e", "1G", "-f", "4", "-d", "float32,bfloat16"]),
