@@ -7,6 +7,9 @@ A ```python block is preceded, on the line right above its fence, by one of
     <!-- run: ranks=N -->       a whole script as `torchrun --nproc-per-node N` runs it:
                                 N ranks with torchrun's variables, each joining its own
                                 group (through the rank launcher, in a shared temp dir)
+    <!-- run: gpu ranks=N -->   the same on a CUDA device: skipped without one (failed
+                                under PYCOMM_REQUIRE_CUDA=1, as tools/gpu_check.py runs
+                                `-k gpu.md` of this file on the GPU machine)
     <!-- not run: REASON -->    a fragment; the reason says why and what covers it
 so no example is silently left out.
 """
@@ -32,7 +35,7 @@ README_LIMIT_BYTES = 12 * 1024
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LINKED = [*PAGES, REPO / "CONTRIBUTING.md", REPO / "CHANGELOG.md",
           REPO / "benchmarks" / "README.md", REPO / "benchmarks" / "results" / "README.md"]
-_MARKER = re.compile(r"^<!-- (run|run: ranks=(\d+)|not run: .+) -->$")
+_MARKER = re.compile(r"^<!-- (run|run: (gpu )?ranks=(\d+)|not run: .+) -->$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +53,12 @@ class Block:
     @property
     def ranks(self) -> int | None:
         m = _MARKER.match(self.marker or "")
-        return int(m.group(2)) if m and m.group(2) else None
+        return int(m.group(3)) if m and m.group(3) else None
+
+    @property
+    def gpu(self) -> bool:
+        m = _MARKER.match(self.marker or "")
+        return bool(m and m.group(2))
 
 
 def blocks(path: Path) -> list[Block]:
@@ -90,6 +98,10 @@ def _script_rank(rank: int, world_size: int, source: str, name: str, port: int,
 
 @pytest.mark.parametrize("block", RUNNABLE, ids=lambda b: b.name)
 def test_example_runs(block: Block, tmp_path: Path):
+    if block.gpu:
+        from tests.support import gpu
+
+        gpu.require()
     needs = {"lightning", "accelerate", "transformers"} & set(
         re.findall(r"^\s*(?:import|from) (\w+)", block.source, re.M))
     for module in sorted(needs):
