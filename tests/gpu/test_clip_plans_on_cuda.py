@@ -76,7 +76,8 @@ def test_mixed_dtypes_and_misaligned_views_in_one_list(norm_type):
              *_grads([(70000,), (33,)], torch.bfloat16, seed=2),
              *_grads([(5000,)], torch.float64, seed=3),
              *_grads([(1,), (65536,)], torch.float16, seed=4)]
-    exact = [g.double() for g in grads]  # the reference: the same clip in float64
+    # the reference: the same clip in float64 (a copy: .double() of a float64 tensor is itself)
+    exact = [g.to(torch.float64, copy=True) for g in grads]
     if norm_type == float("inf"):
         norm = max(e.abs().max() for e in exact)
     else:
