@@ -153,12 +153,14 @@ def _count_wrong(shapes, dtype, device, rel: float) -> int:
 def _graph_replay(grads: list[torch.Tensor], rel: float) -> Callable:
     """pycomm's clip captured in a CUDA graph and replayed (Note [Tile plans]): what a
     captured training step pays for it, host work and launches gone. It clips its own copy
-    of the gradients with the max_norm fixed at capture (rel x their norm then: each replay
-    of an active clip shrinks them by rel, as the other methods' calls do)."""
+    of the gradients with a max_norm fixed at capture: for an active clip 0, so that every
+    replay scales (by 0: the same traffic), where a max_norm below the norm at capture
+    would stop clipping once the first replay brought the norm down to it (the record of
+    2026-11-27 timed its fp32 row so, as an inactive clip)."""
     holders = [_holder(g.clone()) for g in grads]
     norm = torch.nn.utils.clip_grad_norm_(holders, float("inf"), foreach=True).item()
-    max_norm = rel * norm
-    pycomm_clip.clip_grad_norm_(holders, 1e30)  # the plan, made outside the capture
+    max_norm = 0.0 if rel < 1 else rel * norm
+    pycomm_clip.clip_grad_norm_(holders, float("inf"))  # the plan, made outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pycomm_clip.clip_grad_norm_(holders, max_norm)
