@@ -167,8 +167,10 @@ def markdown(results: list[dict]) -> str:
             lines.append(f"| {name}{tag} | {row['events']} | {row['busy_us']} | "
                          f"{row['copies']} | {row['copy_us']} | "
                          f"{row.get('copy_under_compute_us', '')} |")
-        lines += ["", "Per-bucket report, last profiled step, rank 0:", "", "```",
-                  r["reports"][-1] if r["reports"] else "(none)", "```", ""]
+        report = r["reports"][-1] if r["reports"] else "(none)"
+        # indented, not fenced: gpu_check quotes this output inside a fence of its own
+        lines += ["", "Per-bucket report, last profiled step, rank 0:", "",
+                  *("    " + ln for ln in report.splitlines()), ""]
     return "\n".join(lines)
 
 

@@ -284,7 +284,8 @@ def step_bench(env: dict, logs: Path, run_env: dict) -> dict:
         argv = [sys.executable, str(REPO / "benchmarks" / args[0]),
                 *(a.format(logs=logs) for a in args[1:])]
         rc, secs, out = _run(argv, logs / "bench.log", run_env, TIMEOUT_S["bench"])
-        result["runs"].append({"name": name, "command": "python benchmarks/" + " ".join(args),
+        shown = [a.replace("{logs}", "<logs>") for a in args]
+        result["runs"].append({"name": name, "command": "python benchmarks/" + " ".join(shown),
                                "rc": rc, "seconds": round(secs, 1),
                                "table": out.strip()[-6000:], "json": None})
         result["ok"] &= rc == 0
@@ -351,7 +352,7 @@ def dry_run(env: dict) -> int:
         script = REPO / "benchmarks" / args[0]
         if not script.exists():
             raise SystemExit(f"gpu_check: {name}: {script} is missing")
-        print(f"  bench: python benchmarks/{' '.join(args)}")
+        print(f"  bench: python benchmarks/{' '.join(args)}".replace("{logs}", "<logs>"))
     here = _capture([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
                      "tests/gpu"]).splitlines() or ["(pytest printed nothing)"]
     print("  tests/gpu here: " + "; ".join(ln for ln in here if ln.startswith("SKIPPED"))
