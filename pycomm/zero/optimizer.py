@@ -35,7 +35,8 @@ collectives only sum, with DDP's numerics):
 Note [One rank: nothing to shard]
 On a gradient group of one rank each bucket's shard is the whole bucket, and the hook
 would only copy each gradient into its bucket and out again (1.28x the DDP's step on an
-H200, benchmarks/results/gpu_check_2026-11-26_nvidia-h200.md). So there no hook is
+H200: the GPU record of 2026-11-26, in git history since, `git log -- benchmarks/results/
+gpu_check_2026-11-26_nvidia-h200.md`). So there no hook is
 registered: the DDP reduces as it does unsharded, param.grad keeps the gradients, and
 the step reads its pieces out of param.grad, as after no_sync (_grad_runs); the
 parameters are still views of the flat buffers, and nothing is all-gathered. The DDP's
