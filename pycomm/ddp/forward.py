@@ -77,8 +77,10 @@ class ForwardSync:
     def sync_buffers(self, authoritative: bool, join_enabled: bool) -> None:
         """Broadcast the module's buffers: from rank 0, or under join from the highest rank
         that is `authoritative` (one that still has data)."""
+        if dist.get_world_size(self.process_group) == 1:  # before the walk over the module
+            return
         buffers = self.buffers_to_sync()
-        if not buffers or dist.get_world_size(self.process_group) == 1:
+        if not buffers:
             return
         src = self.common_rank(authoritative) if join_enabled else 0
         # As torch: the broadcast does not bump the buffers' version counters, so a graph
