@@ -79,8 +79,11 @@ class SplitHint:
     (split_bytes) rather than the DDP module's own largest bucket cap."""
 
     def __init__(self, ddp: nn.Module):
-        self._ddp = ddp
-        self.bucket_bytes_cap = split_bytes(ddp.config)
+        self._ddp = ddp  # made on every forward: nothing computed here
+
+    @property
+    def bucket_bytes_cap(self) -> int:  # read by dynamo alone, when it compiles
+        return split_bytes(self._ddp.config)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ddp, name)
