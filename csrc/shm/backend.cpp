@@ -247,11 +247,11 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allreduce_coalesced(
   return enqueue(
       "all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
       [this, tensors, op](const OpContext& c) {
-        for (const auto& t : tensors) {
-          Dense d(t);
-          channel_->allreduce(d.data(), d.work.numel(), t.scalar_type(), op, c);
-          d.write_back();
-        }
+        // See Note [Coalesced all-reduce] in tensor_args.h
+        reduce_coalesced(tensors, [&](const at::Tensor& flat) {
+          channel_->allreduce(static_cast<char*>(flat.data_ptr()), flat.numel(), flat.scalar_type(),
+                              op, c);
+        });
       },
       opts);
 }

@@ -177,9 +177,10 @@ c10::intrusive_ptr<c10d::Work> HierBackend::allreduce_coalesced(
   const auto reduce = opts.reduceOp.op_;
   return enqueue("all_reduce_coalesced", c10d::OpType::ALLREDUCE_COALESCED, tensors,
                  [this, tensors, reduce, piece = piece_bytes_](uint64_t seq) {
-                   for (const auto& t : tensors) {
-                     run("all_reduce_coalesced", seq, piece, t, reduce);
-                   }
+                   // See Note [Coalesced all-reduce] in tensor_args.h
+                   reduce_coalesced(tensors, [&](const at::Tensor& flat) {
+                     run("all_reduce_coalesced", seq, piece, flat, reduce);
+                   });
                  });
 }
 

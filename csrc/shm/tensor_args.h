@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -81,5 +82,46 @@ struct DenseList {
     for (auto& d : dense) d.write_back();
   }
 };
+
+// Note [Coalesced all-reduce]
+// Gloo reduces all_reduce_coalesced's tensors as one flat copy and copies each result back,
+// so every entry gets the reduction of the values the call started with, however the
+// entries alias: a list holding one tensor twice (torch's own test input, 2 * [t]) is
+// reduced once. Reducing the entries one after another in place reduced such a tensor
+// twice: ranks holding 0 and 1 got 2 where Gloo gives 1, silently. So the entries of each
+// dtype are packed into one buffer, reduced by one collective (one exchange for the list,
+// not one per tensor), and copied back in list order, as Gloo copies them; a list of one
+// tensor is reduced where it is (through its dense stand-in).
+template <typename Reduce>
+void reduce_coalesced(const std::vector<at::Tensor>& tensors, Reduce&& reduce) {
+  if (tensors.size() == 1) {
+    Dense d(tensors[0]);
+    reduce(d.work);
+    d.write_back();
+    return;
+  }
+  std::vector<at::ScalarType> dtypes;  // first-seen order: the same on every rank
+  for (const auto& t : tensors) {
+    if (std::find(dtypes.begin(), dtypes.end(), t.scalar_type()) == dtypes.end())
+      dtypes.push_back(t.scalar_type());
+  }
+  for (const at::ScalarType dtype : dtypes) {
+    std::vector<at::Tensor> parts;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      if (tensors[i].scalar_type() != dtype) continue;
+      parts.push_back(tensors[i].reshape({-1}));
+      which.push_back(i);
+    }
+    at::Tensor flat = at::cat(parts);
+    reduce(flat);
+    int64_t offset = 0;
+    for (size_t i : which) {
+      const at::Tensor& t = tensors[i];
+      t.copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
 
 }  // namespace pycomm::shm

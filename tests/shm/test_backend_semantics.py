@@ -80,6 +80,40 @@ def test_non_contiguous_async_and_p2p(world_size):
     run_ranks(_behaviour, world_size=world_size, backend="pycomm")
 
 
+def _coalesced_like_gloo(rank, world):
+    """all_reduce_coalesced gives Gloo's answer however its tensors alias (Note [Coalesced
+    all-reduce] in csrc/shm/tensor_args.h): one tensor twice (torch's own test input) is
+    reduced once, overlapping views as Gloo's flat copy reduces them; a transposed view and
+    an empty tensor in place. (torch's all_reduce_coalesced refuses a list of several
+    dtypes before any backend sees it.)"""
+    gloo = dist.new_group(backend="gloo")
+
+    def lists():
+        t = torch.full((5,), float(rank))
+        base = torch.arange(20, dtype=torch.float32) * (rank + 1)
+        return {"one tensor twice": [t, t], "overlapping views": [base[0:10], base[5:15]],
+                "one tensor": [torch.arange(7, dtype=torch.float64) * rank],
+                "distinct": [torch.full((3,), float(rank + i)) for i in range(4)]}
+
+    ours, theirs = lists(), lists()
+    for name in ours:
+        dist.all_reduce_coalesced(ours[name])
+        dist.all_reduce_coalesced(theirs[name], group=gloo)
+        for a, b in zip(ours[name], theirs[name]):
+            assert torch.equal(a, b), f"{name}: {a} against Gloo's {b}"
+    assert torch.equal(ours["one tensor twice"][0], torch.full((5,), float(sum(range(world)))))
+    m = torch.arange(12, dtype=torch.float32).view(3, 4) + rank
+    view, empty = m.t(), torch.zeros(0)
+    dist.all_reduce_coalesced([view, empty])
+    expected = torch.arange(12, dtype=torch.float32).view(3, 4) * world + sum(range(world))
+    assert torch.equal(m, expected) and empty.numel() == 0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_reduce_coalesced_matches_gloo(world_size):
+    run_ranks(_coalesced_like_gloo, world_size=world_size, backend="pycomm")
+
+
 def _subgroup_and_world(rank, world):
     sub = dist.new_group([0, 1], backend="pycomm")
     for step in range(20):

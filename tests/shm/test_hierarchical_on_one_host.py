@@ -85,6 +85,9 @@ def _hier_collectives(rank, world, per_host):
     expected = (torch.arange(24, dtype=torch.float32).reshape(4, 6) * world
                 + sum(range(world))).t()
     assert torch.equal(view, expected)
+    twice = torch.full((5,), float(rank))  # See Note [Coalesced all-reduce]: reduced once
+    dist.all_reduce_coalesced([twice, twice], group=group)
+    assert torch.equal(twice, torch.full((5,), float(sum(range(world)))))
     tensors = [torch.full((1000,), float(rank + i)) for i in range(8)]
     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
     for i, (w, t) in enumerate(zip(works, tensors)):
