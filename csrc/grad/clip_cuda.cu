@@ -162,10 +162,9 @@ __global__ void fill_tiles_kernel(const TileBatch batch, int count, Tile* __rest
 // One norm partial (Note [Norm partials]) of every tile into out = [acc, nonfinite 0/1]:
 // a partial per block, then the last block done folds them in block order.
 template <NormKind K, typename Acc>
-__global__ void __launch_bounds__(kThreads) tile_norm_kernel(const Tile* __restrict__ tiles,
-                                                             int64_t count, Acc* partials,
-                                                             unsigned int* counter, Acc* out,
-                                                             double p) {
+__global__ void __launch_bounds__(kThreads)
+    tile_norm_kernel(const Tile* __restrict__ tiles, int64_t count, Acc* partials,
+                     unsigned int* counter, Acc* out, double p) {
   const Acc pa = static_cast<Acc>(p);
   Acc acc(0), nf(0);
   for (int64_t t = blockIdx.x; t < count; t += gridDim.x) {
@@ -225,8 +224,8 @@ struct ClipFrom {
   NormKind kind;
   __device__ double operator()() const {
     using Acc = at::opmath_type<NormT>;
-    const NormT t = static_cast<NormT>(
-        norm_finish<Acc>(static_cast<Acc>(partial[0]), kind, static_cast<Acc>(p)));
+    const NormT t = static_cast<NormT>(norm_finish<Acc>(static_cast<Acc>(partial[0]), kind,
+                                                        static_cast<Acc>(p)));
     if (blockIdx.x == 0 && threadIdx.x == 0) *total = t;
     return static_cast<double>(clip_coefficient<NormT>(t, static_cast<Acc>(max_norm)));
   }
@@ -234,15 +233,14 @@ struct ClipFrom {
 
 // x *= coefficient over every tile, last tile first (Note [Tile plans]).
 template <typename Coef>
-__global__ void __launch_bounds__(kThreads) tile_scale_kernel(const Tile* __restrict__ tiles,
-                                                              int64_t count, Coef coef_of) {
+__global__ void __launch_bounds__(kThreads)
+    tile_scale_kernel(const Tile* __restrict__ tiles, int64_t count, Coef coef_of) {
   const double c = coef_of();
   if (c == 1.0) return;
   for (int64_t t = blockIdx.x; t < count; t += gridDim.x) {
     const Tile tile = tiles[count - 1 - t];
-    with_tile_type(tile.dtype, [&](auto* tag) {
-      scale_tile<std::remove_pointer_t<decltype(tag)>>(tile, c);
-    });
+    with_tile_type(tile.dtype,
+                   [&](auto* tag) { scale_tile<std::remove_pointer_t<decltype(tag)>>(tile, c); });
   }
 }
 
@@ -313,8 +311,7 @@ PlanEntry make_plan(const SpanList& l, c10::Device device, at::ScalarType acc, b
   plan->device = device;
   plan->count = static_cast<int64_t>(e.host.size());
   int sms = 0;
-  C10_CUDA_CHECK(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device.index()));
   plan->blocks = static_cast<int>(std::max<int64_t>(
       1, std::min<int64_t>(plan->count, static_cast<int64_t>(sms) * kBlocksPerSM)));
   plan->acc_dtype = acc;
@@ -336,8 +333,8 @@ PlanEntry make_plan(const SpanList& l, c10::Device device, at::ScalarType acc, b
 // before the allocator reuses them (once the plan is evicted).
 void record_use(const PlanEntry& e, const c10::cuda::CUDAStream& stream) {
   if (stream.id() == e.stream) return;
-  for (const at::Tensor* t : {&e.plan->tiles, &e.plan->partials, &e.plan->result,
-                              &e.plan->counter}) {
+  for (const at::Tensor* t :
+       {&e.plan->tiles, &e.plan->partials, &e.plan->result, &e.plan->counter}) {
     c10::cuda::CUDACachingAllocator::recordStream(t->storage().data_ptr(), stream);
   }
 }
@@ -415,19 +412,16 @@ void scale_cuda_(at::TensorList tensors, const at::Tensor& factor_in) {
   if (l.spans.empty()) return;
   const auto plan = tile_plan(l, device, acc_dtype_of(l), /*cache=*/true);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, factor.scalar_type(), "scale_cuda_",
-                                  [&] {
-                                    launch_scale(*plan,
-                                                 FactorFrom<scalar_t>{
-                                                     factor.const_data_ptr<scalar_t>()},
-                                                 stream);
-                                  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, factor.scalar_type(), "scale_cuda_", [&] {
+        launch_scale(*plan, FactorFrom<scalar_t>{factor.const_data_ptr<scalar_t>()}, stream);
+      });
 }
 
 // The eager clip of one device's gradients (See Note [Tile plans]): the norm pass, then
 // the scale pass computing the coefficient itself. Returns the total norm.
-at::Tensor clip_spans_cuda(const SpanList& l, c10::Device device, double max_norm,
-                           double norm_type, at::ScalarType norm_dtype) {
+at::Tensor clip_spans_cuda(const SpanList& l, c10::Device device, double max_norm, double norm_type,
+                           at::ScalarType norm_dtype) {
   constexpr const char* op = "pycomm::clip_grad_norm_";
   const NormKind kind = norm_kind(norm_type, op);
   const c10::cuda::CUDAGuard guard(device);
@@ -474,8 +468,8 @@ const bool kRegistered = (cuda_clip() = &kCudaClip, true);
 std::shared_ptr<TilePlan> tile_plan(const SpanList& l, c10::Device device, at::ScalarType acc,
                                     bool cache_it) {
   constexpr const char* op = "pycomm tile plan";
-  const bool capturing =
-      c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  const bool capturing = c10::cuda::currentStreamCaptureStatusMayInitCtx() !=
+                         c10::cuda::CaptureStatus::None;
   const auto stream = c10::cuda::getCurrentCUDAStream(device.index());
   if (!cache_it) return make_plan(l, device, acc, capturing, op).plan;
   std::vector<uint64_t> key = plan_key(l, device, acc);
