@@ -101,6 +101,10 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType 
                                                 : outputs.front().scalar_type();
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   uint64_t seq = next_seq_++;
+  if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
+      type != c10d::OpType::RECVANYSOURCE) {
+    ++collectives_issued_;
+  }
   flight_.queued(seq, op, bytes, dtype, label);
   // A blocking call on an idle lane runs here and returns its Work already completed: no
   // task is queued (See Note [Waiting helps]).
@@ -223,6 +227,7 @@ void ShmBackend::allreduce_inline(const at::Tensor& tensor, c10d::ReduceOp::RedO
   check_reduction("all_reduce", tensor.scalar_type(), op);
   const bool ran = collectives_->run_if_idle([&] {
     const uint64_t seq = next_seq_++;
+    ++collectives_issued_;
     flight_.queued(seq, "all_reduce", static_cast<int64_t>(tensor.nbytes()), tensor.scalar_type(),
                    {});
     run("all_reduce", seq, [&](const OpContext& c) { allreduce_body(tensor, type, c); });

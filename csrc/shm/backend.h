@@ -31,6 +31,17 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
 
   const std::string getBackendName() const override { return "pycomm"; }
 
+  // Note [Sequence numbers for torch's checks]
+  // Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps every group's backend in a checker
+  // that, before each collective, compares the operation, its tensors and the group's
+  // sequence number across ranks over a Gloo helper group; making the wrapper calls
+  // setSequenceNumberForGroup(), which c10d's default refuses. Here the number is the count
+  // of collectives issued on the group (point-to-point operations not counted: ranks pair
+  // up differently, and the wrapper does not check them), starting at 0 on every rank as
+  // Gloo's does, so nothing needs agreeing at set time.
+  void setSequenceNumberForGroup() override {}
+  uint64_t getSequenceNumberForGroup() override { return collectives_issued_.load(); }
+
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
@@ -141,6 +152,7 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   std::chrono::milliseconds timeout_;
   Lane collectives_, sends_, receives_;
   std::atomic<uint64_t> next_seq_{0};
+  std::atomic<uint64_t> collectives_issued_{0};  // See Note [Sequence numbers for torch's checks]
   std::mutex failure_mutex_;
   std::string failure_;  // the first failed operation's error: the group is unusable after it
   std::atomic<bool> failed_{false};  // failure_ is set (read without the lock)

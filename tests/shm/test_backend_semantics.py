@@ -2,6 +2,8 @@
 futures, send/recv, a subgroup beside the world, 256 MiB, torch's DDP on it (Gloo as the
 oracle throughout)."""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -112,6 +114,49 @@ def _coalesced_like_gloo(rank, world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_reduce_coalesced_matches_gloo(world_size):
     run_ranks(_coalesced_like_gloo, world_size=world_size, backend="pycomm")
+
+
+def _under_detail(rank, world):
+    """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps a "pycomm" group in its checker
+    (Note [Sequence numbers for torch's checks] in csrc/shm/backend.h): the group is made,
+    collectives give Gloo's results through it, point-to-point between two of the ranks
+    leaves the others' numbering in step, and a collective whose shapes differ across
+    ranks is stopped by torch's check with its message, before the backend runs it."""
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    dist.set_debug_level_from_env()
+    try:
+        group = dist.new_group(backend="pycomm")
+        gloo = dist.new_group(backend="gloo")
+        assert "Wrapper" in type(group._get_backend(torch.device("cpu"))).__name__
+        for step in range(3):
+            ours, theirs = (torch.arange(6, dtype=torch.float32) * (rank + step) for _ in "ab")
+            dist.all_reduce(ours, group=group)
+            dist.all_reduce(theirs, group=gloo)
+            assert torch.equal(ours, theirs)
+            b = torch.full((4,), float(rank))
+            dist.broadcast(b, src=world - 1, group=group)
+            assert torch.equal(b, torch.full((4,), float(world - 1)))
+            gathered = torch.zeros(world * 2)
+            dist.all_gather_into_tensor(gathered, torch.full((2,), float(rank)), group=group)
+            assert torch.equal(gathered, torch.arange(world).repeat_interleave(2).float())
+            if rank == 0:  # ranks 0 and 1 alone
+                dist.send(torch.full((3,), 7.0), 1, group=group)
+            elif rank == 1:
+                got = torch.zeros(3)
+                dist.recv(got, 0, group=group)
+                assert torch.equal(got, torch.full((3,), 7.0))
+            dist.barrier(group=group)
+        with pytest.raises(RuntimeError, match="Detected mismatch between collectives"):
+            dist.all_reduce(torch.zeros(3 + rank), group=group)
+        dist.destroy_process_group(group)
+    finally:
+        del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        dist.set_debug_level_from_env()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torch_detail_debug_mode_wraps_a_pycomm_group(world_size):
+    run_ranks(_under_detail, world_size=world_size, backend="gloo")
 
 
 def _subgroup_and_world(rank, world):
