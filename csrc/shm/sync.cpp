@@ -193,7 +193,7 @@ void Sync::wait(const Signal& signal, uint32_t target, int peer, const OpContext
     auto now = Clock::now();
     if (now >= ctx.deadline) {
       fail(ctx, peer,
-           "timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
+           "Timed out after " + std::to_string(ctx.timeout.count()) + " ms waiting for rank " +
                std::to_string(peer));
     }
     if (now >= next_check) {

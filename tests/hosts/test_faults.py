@@ -76,11 +76,11 @@ def test_a_link_down_fails_both_hosts_within_the_group_timeout(ranks_per_host):
         # Gloo words it "Timed out waiting ... for recv" or, when its pair gives up first,
         # "Application timeout caused pair closure"; hierarchical, a rank whose shard got
         # across before the link went down waits for its host's peer stuck in Gloo, and the
-        # shared-memory wait words it "timed out after 8000 ms waiting for rank 1" (seen
+        # shared-memory wait words it "Timed out after 8000 ms waiting for rank 1" (seen
         # once in a full-suite run): a timeout every way.
         assert ("Timed out waiting" in r.stderr
                 or "Application timeout caused pair closure" in r.stderr
-                or "timed out after" in r.stderr), r.describe()
+                or "Timed out after" in r.stderr), r.describe()
         # A timeout names no peer: pycomm lists where the group's ranks are.
         spans = ("host0: rank 0 at 10.77.0.1; host1: rank 1 at 10.77.0.2"
                  if ranks_per_host == 1 else

@@ -134,7 +134,7 @@ def _peer_never_comes(rank, world):
         time.sleep(3.5)  # past the group's timeout
         return
     with pytest.raises(dist.DistBackendError,
-                       match=r"pycomm all_reduce .*timed out after 2000 ms waiting for rank 1"):
+                       match=r"pycomm all_reduce .*Timed out after 2000 ms waiting for rank 1"):
         pycomm.shm.all_reduce(torch.ones(3))
     with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
         pycomm.shm.all_reduce(torch.ones(3))

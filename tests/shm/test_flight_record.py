@@ -66,7 +66,7 @@ def _hung(rank, world_size, directory):
         time.sleep(4)
         pycomm.shm.dump_flight_record(directory)
         return
-    with pytest.raises(dist.DistBackendError, match="timed out"):
+    with pytest.raises(dist.DistBackendError, match="Timed out"):
         dist.all_reduce(torch.ones(8))  # the group's timeout: 2 s
 
 
@@ -78,7 +78,7 @@ def test_a_hung_rank_is_named_behind_at_its_operation(tmp_path):
     assert ("rank 1 is behind: its last operation is #2 all_reduce of 32 bytes (float32) "
             "(completed), while rank(s) [0] went up to #3") in said, said
     assert "the ranks ahead waited for it at #3 all_reduce" in said, said
-    assert "(failed: pycomm all_reduce (operation #3 on rank 0): timed out" in said, said
+    assert "(failed: pycomm all_reduce (operation #3 on rank 0): Timed out" in said, said
     out = subprocess.run([sys.executable, "-m", "pycomm.flight_record", str(tmp_path)],
                          capture_output=True, text=True, check=True).stdout
     assert "rank 1 is behind" in out and "# group pycomm-" in out, out
