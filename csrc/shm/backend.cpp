@@ -6,6 +6,7 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "shm/reduce_kernels.h"
@@ -321,20 +322,44 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(
   const at::Tensor& out = single("reduce_scatter", outputs);
   TORCH_CHECK_VALUE(inputs.size() == 1 && static_cast<int>(inputs[0].size()) == size_,
                     "pycomm reduce_scatter: expects one list of ", size_, " input tensors");
-  for (const auto& i : inputs[0]) check_like("reduce_scatter", i, out, out.numel());
+  // Note [Uneven reduce-scatter]
+  // Each rank's output may have its own size, as Gloo allows: inputs[j] is rank j's piece,
+  // of rank j's output size, the same sizes on every rank. Uneven pieces are laid out at
+  // the largest piece's stride, zero-padded, and reduce-scattered at that count; each rank
+  // keeps its piece's part. The padding is reduced with padding only, so any op is exact.
+  int64_t widest = 0;
+  for (size_t j = 0; j < inputs[0].size(); ++j) {
+    const at::Tensor& i = inputs[0][j];
+    check_dense("reduce_scatter", i);
+    TORCH_CHECK_VALUE(i.scalar_type() == out.scalar_type(), "pycomm reduce_scatter: input ", j,
+                      " is ", i.scalar_type(), " but the output is ", out.scalar_type());
+    widest = std::max(widest, i.numel());
+  }
+  check_like("reduce_scatter", inputs[0][rank_], out, out.numel());
   check_reduction("reduce_scatter", out.scalar_type(), opts.reduceOp);
   auto op = opts.reduceOp.op_;
   auto ins = inputs[0];
   return enqueue(
       "reduce_scatter", c10d::OpType::REDUCE_SCATTER, {out},
-      [this, out, ins, op](const OpContext& c) {
-        std::vector<at::Tensor> flat;
-        for (const auto& i : ins) flat.push_back(i.reshape({-1}));
-        at::Tensor in = at::cat(flat);
-        Dense d(out);
-        channel_->reduce_scatter(static_cast<char*>(in.data_ptr()), d.data(), out.numel(),
+      [this, out, ins, op, widest](const OpContext& c) {
+        const bool even = std::all_of(ins.begin(), ins.end(),
+                                      [&](const at::Tensor& i) { return i.numel() == widest; });
+        at::Tensor in;
+        if (even) {
+          std::vector<at::Tensor> flat;
+          for (const auto& i : ins) flat.push_back(i.reshape({-1}));
+          in = at::cat(flat);
+        } else {  // See Note [Uneven reduce-scatter]
+          in = at::zeros({widest * size_}, out.options());
+          for (int j = 0; j < size_; ++j)
+            in.narrow(0, j * widest, ins[j].numel()).copy_(ins[j].reshape({-1}));
+        }
+        at::Tensor mine = even ? out : at::empty({widest}, out.options());
+        Dense d(mine);
+        channel_->reduce_scatter(static_cast<char*>(in.data_ptr()), d.data(), widest,
                                  out.scalar_type(), op, c);
         d.write_back();
+        if (!even) out.copy_(mine.narrow(0, 0, out.numel()).view(out.sizes()));
       },
       opts);
 }

@@ -159,6 +159,29 @@ def test_torch_detail_debug_mode_wraps_a_pycomm_group(world_size):
     run_ranks(_under_detail, world_size=world_size, backend="gloo")
 
 
+def _uneven_reduce_scatter(rank, world):
+    """reduce_scatter with each rank's output its own size, as Gloo takes it (Note [Uneven
+    reduce-scatter] in csrc/shm/backend.cpp): rank j gets j + 2 elements (none for rank 1
+    of three), for sum and max, against Gloo on the same inputs; the even case as before."""
+    gloo = dist.new_group(backend="gloo")
+    sizes = [j + 2 for j in range(world)]
+    if world == 3:
+        sizes[1] = 0
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.MAX):
+        for shape in (sizes, [5] * world):
+            g = torch.Generator().manual_seed(rank)
+            ins = [torch.randint(-99, 99, (n,), generator=g).float() for n in shape]  # exact sums
+            ours, theirs = torch.full((shape[rank],), -1.0), torch.full((shape[rank],), -2.0)
+            dist.reduce_scatter(ours, [t.clone() for t in ins], op=op)
+            dist.reduce_scatter(theirs, [t.clone() for t in ins], op=op, group=gloo)
+            assert torch.equal(ours, theirs), (op, shape, ours, theirs)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_uneven_reduce_scatter_matches_gloo(world_size):
+    run_ranks(_uneven_reduce_scatter, world_size=world_size, backend="pycomm")
+
+
 def _subgroup_and_world(rank, world):
     sub = dist.new_group([0, 1], backend="pycomm")
     for step in range(20):
