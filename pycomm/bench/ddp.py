@@ -1,5 +1,7 @@
-"""DDP step time, pycomm vs torch, side by side: the same model and data trained by both in
-one run, interleaved, medians; exposed communication = step time - the same step in no_sync.
+"""DDP step time, pycomm vs torch, side by side on the same model and data.
+
+Both train in one run, interleaved, medians; exposed communication = step time - the same
+step in no_sync.
 
 Models (each ~25M parameters; the work per rank per step is printed with the figures):
   mlp             6 x Linear(2048, 2048), 32 samples per rank per step
