@@ -7,7 +7,9 @@ elements; clipping active (max_norm below the norm) and inactive (far above it).
 On CUDA, "pycomm-graph" is pycomm's clip captured in a CUDA graph and replayed.
 Effective GB/s counts the traffic clipping needs (read once for the norm; read and
 write again to scale when active), the same bytes for every method; `%copy` relates it to
-a large tensor copy measured in the same run (read + write bytes / time). `normerr` is each
+a large tensor copy measured in the same run (read + write bytes / time). On CUDA the
+`device` columns time the same calls between events recorded around them on the stream:
+what the device spent, without the host's sync and Python. `normerr` is each
 method's total norm against the float64 norm of the same gradients (relative; untimed).
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import time
@@ -70,6 +73,10 @@ class Row:
     speedup_vs_foreach: float
     norm_rel_err: float
     wrong: int
+    # CUDA: the median time between events recorded around the call on the stream (the
+    # device's view: no host sync, no Python), and its share of the copy bandwidth timed so
+    device_us: float = float("nan")
+    frac_copy_device: float = float("nan")
 
 
 def _holder(grad: torch.Tensor) -> torch.nn.Parameter:
@@ -92,22 +99,34 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn: Callable[[], object], device: torch.device) -> float:
+def _time(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(wall seconds, device seconds) of one call, synchronized before and after: on CUDA
+    the device time is between events recorded around the call; nan elsewhere."""
     _sync(device)
+    events = ([torch.cuda.Event(enable_timing=True) for _ in range(2)]
+              if device.type == "cuda" else [])
     start = time.perf_counter()
+    if events:
+        events[0].record()
     fn()
+    if events:
+        events[1].record()
     _sync(device)
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    return wall, (events[0].elapsed_time(events[1]) / 1e3 if events else float("nan"))
 
 
-def copy_bandwidth(cfg: Config, device: torch.device) -> float:
-    """GB/s of a large copy (bytes read + written), median over the repetitions."""
+def copy_bandwidth(cfg: Config, device: torch.device) -> tuple[float, float]:
+    """GB/s of a large copy (bytes read + written), median over the repetitions: by the
+    wall clock, and by the device's events (nan off CUDA)."""
     n = cfg.copy_mib * (1 << 20) // 4
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
     for _ in range(cfg.warmup):
         dst.copy_(src)
     samples = [_time(lambda: dst.copy_(src), device) for _ in range(cfg.reps)]
-    return 2 * src.numel() * src.element_size() / statistics.median(samples) / 1e9
+    nbytes = 2 * src.numel() * src.element_size()
+    return (nbytes / statistics.median(s[0] for s in samples) / 1e9,
+            nbytes / statistics.median(s[1] for s in samples) / 1e9)
 
 
 def _grads(shapes, dtype: torch.dtype, device: torch.device, seed: int) -> list[torch.Tensor]:
@@ -175,7 +194,7 @@ def rotated(items: list, rep: int) -> list:
     return items[k:] + items[:k]
 
 
-def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
+def run_case(cfg: Config, case: str, copy_gbps: tuple[float, float]) -> list[Row]:
     device, dtype = torch.device(cfg.device), getattr(torch, cfg.dtype)
     shapes = CASES[case]()
     grads = _grads(shapes, dtype, device, 0)
@@ -193,21 +212,24 @@ def run_case(cfg: Config, case: str, copy_gbps: float) -> list[Row]:
         samples = {name: [] for name, _ in methods}
         for rep in range(cfg.warmup + cfg.reps):  # interleaved: every method once per rep
             for name, fn in rotated(methods, rep):
-                sec = _time(lambda fn=fn, m=rel * norm: fn(holders, m), device)
+                sec = _time(lambda fn=fn, m=rel * norm: fn(holders, m), device)  # (wall, dev)
                 if name != "pycomm-graph":  # which clips a copy of its own
                     norm = min(norm, rel * norm)  # the norm the next call sees
                 if rep >= cfg.warmup:
                     samples[name].append(sec)
         traffic = nbytes * (3 if mode == "active" else 1)
         wrong = _count_wrong(shapes, dtype, device, rel)
-        base = statistics.median(samples["torch-foreach"])
-        for name, s in samples.items():
+        base = statistics.median(w for w, _ in samples["torch-foreach"])
+        for name, both in samples.items():
+            s = [w for w, _ in both]
             q = statistics.quantiles(s, n=10)
             med = statistics.median(s)
+            dev = statistics.median(d for _, d in both)
             gbps = traffic / med / 1e9
             rows.append(Row(case, len(shapes), elements, mode, name, med * 1e6, q[0] * 1e6,
-                            q[-1] * 1e6, gbps, gbps / copy_gbps, base / med, errors[name],
-                            wrong if name == "pycomm" else 0))
+                            q[-1] * 1e6, gbps, gbps / copy_gbps[0], base / med, errors[name],
+                            wrong if name == "pycomm" else 0, dev * 1e6,
+                            traffic / dev / 1e9 / copy_gbps[1]))
     return rows
 
 
@@ -218,7 +240,7 @@ def _device_name(device: torch.device) -> str:
             f" pycomm {_C._cpu_kernels()} loops)")
 
 
-def run(cfg: Config) -> tuple[float, list[Row]]:
+def run(cfg: Config) -> tuple[tuple[float, float], list[Row]]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)  # for torch's kernels and pycomm's alike
     device = torch.device(cfg.device)
@@ -226,25 +248,33 @@ def run(cfg: Config) -> tuple[float, list[Row]]:
     return copy_gbps, [r for case in cfg.cases for r in run_case(cfg, case, copy_gbps)]
 
 
-def report(cfg: Config, copy_gbps: float, rows: list[Row]) -> str:
+def _or_dash(value: float, fmt: str, width: int) -> str:
+    return f"{'-':>{width}}" if math.isnan(value) else f"{value:>{width}{fmt}}"
+
+
+def report(cfg: Config, copy_gbps: tuple[float, float], rows: list[Row]) -> str:
     now = datetime.datetime.now(datetime.timezone.utc)
     lines = [
         f"# pycomm {__version__} | torch {torch.__version__}"
         f" | {_device_name(torch.device(cfg.device))} | {now:%Y-%m-%d %H:%M} UTC",
         f"# clip_grad_norm_ | dtype {cfg.dtype} | warmup {cfg.warmup} | reps {cfg.reps}"
-        f" (interleaved) | copy bandwidth {copy_gbps:.2f} GB/s ({cfg.copy_mib} MiB copy)",
+        f" (interleaved) | copy bandwidth {copy_gbps[0]:.2f} GB/s ({cfg.copy_mib} MiB copy"
+        + (f"; {copy_gbps[1]:.2f} GB/s by the device's events)" if not math.isnan(copy_gbps[1])
+           else ")"),
         f"#{'case':>11} {'tensors':>8} {'elements':>10} {'clip':>9} {'method':>14} {'time':>10}"
         f" {'p10':>10} {'p90':>10} {'GB/s':>7} {'%copy':>6} {'vs foreach':>10} {'normerr':>8}"
-        f" {'#wrong':>6}",
+        f" {'#wrong':>6} {'device':>9} {'%copy':>6}",
         f"#{'':>11} {'':>8} {'':>10} {'':>9} {'':>14} {'(us)':>10} {'(us)':>10} {'(us)':>10}"
-        f" {'':>7} {'':>6} {'(x)':>10} {'(rel)':>8} {'':>6}",
+        f" {'':>7} {'':>6} {'(x)':>10} {'(rel)':>8} {'':>6} {'(us)':>9} {'(dev)':>6}",
     ]
     for r in rows:
         lines.append(
             f"{r.case:>12} {r.tensors:>8} {r.elements:>10} {r.mode:>9} {r.method:>14}"
             f" {r.time_us:>10.1f} {r.p10_us:>10.1f} {r.p90_us:>10.1f} {r.gbps:>7.2f}"
             f" {100 * r.frac_copy:>5.1f}% {r.speedup_vs_foreach:>10.2f} {r.norm_rel_err:>8.1e}"
-            f" {r.wrong:>6}")
+            f" {r.wrong:>6} {_or_dash(r.device_us, '.1f', 9)}"
+            f" {_or_dash(100 * r.frac_copy_device, '.1f', 5)}"
+            f"{'' if math.isnan(r.device_us) else '%'}")
     lines.append(f"# Out of bounds values : {sum(r.wrong for r in rows)} "
                  f"{'OK' if not any(r.wrong for r in rows) else 'FAILED'}")
     return "\n".join(lines)
@@ -269,6 +299,11 @@ def main(ns: argparse.Namespace) -> int:
     print(report(cfg, copy_gbps, rows))
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"config": asdict(cfg), "copy_gbps": copy_gbps,
-                       "rows": [asdict(r) for r in rows]}, f, indent=1)
+            def plain(x):  # nan (no device timing off CUDA) as JSON's null
+                return None if isinstance(x, float) and math.isnan(x) else x
+
+            json.dump({"config": asdict(cfg), "copy_gbps": copy_gbps[0],
+                       "copy_gbps_device": plain(copy_gbps[1]),
+                       "rows": [{k: plain(v) for k, v in asdict(r).items()} for r in rows]},
+                      f, indent=1)
     return 0

@@ -30,9 +30,15 @@ def test_report_and_json_carry_the_norm_error(tmp_path, capsys):
     assert clip.main(ns) == 0
     table = capsys.readouterr().out
     assert "normerr" in table and "# Out of bounds values : 0 OK" in table
-    rows = json.loads(out.read_text())["rows"]
+    data = json.loads(out.read_text())
+    rows = data["rows"]
     assert {r["method"] for r in rows} == {"pycomm", "torch-foreach", "torch-loop"}
     assert all(0 <= r["norm_rel_err"] < 1e-3 for r in rows)
+    # no device timing on the CPU: null in the JSON, a dash in the table
+    assert data["copy_gbps"] > 0 and data["copy_gbps_device"] is None
+    assert all(r["device_us"] is None and r["frac_copy_device"] is None for r in rows)
+    assert all(line.split()[-2:] == ["-", "-"] for line in table.splitlines()
+               if line.startswith("   1000x1024")), table
 
 
 def test_the_methods_take_turns_going_first():
