@@ -19,6 +19,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int
 SIZES = [0, 1, 7, 1_100_001]
 OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
        "product": dist.ReduceOp.PRODUCT}
+BITWISE = {"band": dist.ReduceOp.BAND, "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
 
 
 def _data(rank, numel, dtype, low=-3, high=4, salt=0):
@@ -45,6 +46,14 @@ def _check_all_reduce(rank, world, gloo):
                                   gloo=gloo)
                 dist.all_reduce(x, op=op)
                 assert torch.equal(x, want), (dtype, numel, name)
+            if not dtype.is_floating_point:  # bitwise ops, integers only (as Gloo)
+                for name, op in BITWISE.items():
+                    x = _data(rank, numel, dtype, -1000, 1000, salt=7)
+                    (want,) = _oracle(
+                        lambda t, group, op=op: dist.all_reduce(t, op=op, group=group), x,
+                        gloo=gloo)
+                    dist.all_reduce(x, op=op)
+                    assert torch.equal(x, want), (dtype, numel, name)
             if dtype.is_floating_point:
                 x = _data(rank, numel, dtype)
                 (want,) = _oracle(lambda t, group: dist.all_reduce(t, group=group), x, gloo=gloo)

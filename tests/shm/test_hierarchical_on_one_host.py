@@ -29,7 +29,7 @@ def _pretend_hosts(rank: int, per_host: list[int]) -> None:
 # max) and float sums and averages in three dtypes.
 CASES = [(torch.float32, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
          (torch.float32, dist.ReduceOp.MAX), (torch.float64, dist.ReduceOp.AVG),
-         (torch.bfloat16, dist.ReduceOp.SUM)]
+         (torch.bfloat16, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.BXOR)]
 
 
 def _flat_reference(x, op, world):
@@ -68,7 +68,7 @@ def _hier_collectives(rank, world, per_host):
             flat = _flat_reference(x, op, world)
             # Integers and max are exact. Floats: the hierarchy adds each host's ranks
             # first, then the hosts; Gloo's flat ring adds in another order: rounding only.
-            if dtype in (torch.int64,) or op == dist.ReduceOp.MAX:
+            if dtype in (torch.int64,) or op == dist.ReduceOp.MAX:  # exact
                 assert torch.equal(mine, flat), (n, dtype, op)
             else:
                 tol = 5e-2 if dtype == torch.bfloat16 else 1e-5
