@@ -153,16 +153,16 @@ void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp
                     " is not supported for reductions (float32, float64, bfloat16, float16, "
                     "int32, int64)");
   auto r = reduce.op_;
-  const bool bitwise =
-      r == c10d::ReduceOp::BAND || r == c10d::ReduceOp::BOR || r == c10d::ReduceOp::BXOR;
+  const bool bitwise = r == c10d::ReduceOp::BAND || r == c10d::ReduceOp::BOR ||
+                       r == c10d::ReduceOp::BXOR;
   TORCH_CHECK_VALUE(r == c10d::ReduceOp::SUM || r == c10d::ReduceOp::AVG ||
                         r == c10d::ReduceOp::PRODUCT || r == c10d::ReduceOp::MAX ||
                         r == c10d::ReduceOp::MIN || bitwise,
                     "pycomm ", op, ": reduce op ", static_cast<int>(r),
                     " is not supported (sum, avg, product, max, min; band, bor, bxor on "
                     "integers)");
-  TORCH_CHECK_VALUE(!bitwise || at::isIntegralType(dtype, /*includeBool=*/false), "pycomm ",
-                    op, ": ReduceOp.BAND/BOR/BXOR need an integer dtype, got ", dtype);
+  TORCH_CHECK_VALUE(!bitwise || at::isIntegralType(dtype, /*includeBool=*/false), "pycomm ", op,
+                    ": ReduceOp.BAND/BOR/BXOR need an integer dtype, got ", dtype);
   TORCH_CHECK_VALUE(r != c10d::ReduceOp::AVG || at::isFloatingType(dtype), "pycomm ", op,
                     ": ReduceOp.AVG needs a floating dtype, got ", dtype);
 }
