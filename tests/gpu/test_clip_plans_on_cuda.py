@@ -16,15 +16,7 @@ gpu.require()
 
 import pycomm  # noqa: E402
 from pycomm import _C  # noqa: E402
-
-
-def _params(grads):
-    out = []
-    for g in grads:
-        p = torch.nn.Parameter(torch.empty_like(g))
-        p.grad = g
-        out.append(p)
-    return out
+from tests.gpu.test_grad_kernels_on_cuda import _params  # noqa: E402
 
 
 def _grads(shapes, dtype=torch.float32, seed=0):
