@@ -138,12 +138,16 @@ void Reducer::reset_step() {
 std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
   std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
-  for (size_t i = 0; i < params_.size(); ++i) {
-    // A RuntimeError, as torch's (which raises one a forward later, when the step this
-    // parameter left unfinished is found): code written for torch's DDP catches it.
+  // A parameter frozen after construction is never reached by the backward. The walk of
+  // find_unused_parameters finds it unused, as torch's does, and it trains on. Otherwise
+  // its bucket would never be complete: a RuntimeError, as torch's (which raises one a
+  // forward later, when the step it left unfinished is found); code written for torch's
+  // DDP catches it.
+  for (size_t i = 0; i < params_.size() && !options_.find_unused_parameters; ++i) {
     TORCH_CHECK(params_[i].requires_grad(), "pycomm DDP (rank ", rank_, "): parameter ", names_[i],
                 " no longer requires grad: requires_grad changed after "
-                "DistributedDataParallel was constructed; wrap the module again");
+                "DistributedDataParallel was constructed; wrap the module again, or pass "
+                "find_unused_parameters=True (a frozen parameter is then an unused one)");
   }
   reset_step();
   ++forwards_;

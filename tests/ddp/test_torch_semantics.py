@@ -175,3 +175,25 @@ def _requires_grad_changed(rank, world_size):
 
 def test_requires_grad_changed_raises_runtime_error_like_torch():
     run_ranks(_requires_grad_changed, 2)
+
+
+def _frozen_with_find_unused(rank, world_size):
+    # With find_unused_parameters torch's DDP finds a parameter frozen after wrapping
+    # unused, and trains on: its gradient stays as zero_grad left it. So does pycomm's.
+    base = build("mlp")
+    ref = TorchDDP(copy.deepcopy(base), find_unused_parameters=True)
+    ours = pycomm.DistributedDataParallel(copy.deepcopy(base), find_unused_parameters=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
+    for step in range(6):
+        for ddp, opt in zip((ref, ours), opts):
+            ddp.module.net[0].weight.requires_grad_(step % 2 == 0)
+            opt.zero_grad()
+            loss_of(ddp(make_input("mlp", rank, step))).backward()
+            opt.step()
+        assert (ours.module.net[0].weight.grad is None) == (step % 2 == 1), step
+        for (name, p), q in zip(ours.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p, q, msg=f"step {step}: {name}")
+
+
+def test_frozen_after_wrapping_trains_on_with_find_unused_like_torch():
+    run_ranks(_frozen_with_find_unused, 2)
