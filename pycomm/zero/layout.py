@@ -6,8 +6,12 @@ Each bucket (the reducer's, or one of ours when no pycomm DDP reduces the gradie
 flat run of N elements: its parameters back to back in slot order. With W ranks it is cut
 in W equal ranges of S = N // W elements: rank r owns [r*S, (r+1)*S), which the bucket's
 reduce-scatter leaves reduced on it and whose updated values its all-gather sends to every
-rank. The last N - W*S (< W) elements, the tail, belong to every rank: their gradients are
-all-reduced (a few bytes) and every rank steps them, identically. Equal ranges are what the
+rank. The last N - W*S (< W) elements, the tail, belong to the last rank
+(BucketShard.tail_owner). So every element has exactly one owner, which steps it, holds its
+state and sends its update to every rank (the tails are broadcast from it after the step, a
+few bytes). Without a DDP each rank's gradient may differ (torch's ZeroRedundancyOptimizer
+lets each rank step what it owns with its own gradient): one owner per element is what
+keeps the replicas equal then. Equal ranges are what the
 tensor forms of reduce-scatter and all-gather need, on the bucket buffers themselves, with
 no padding copy. A parameter may span ranges (Megatron's distributed optimizer cuts the same
 way; torch's ZeroRedundancyOptimizer gives each rank whole parameters instead, which
@@ -72,7 +76,7 @@ class BucketShard:
     numel: int
     world: int
     rank: int
-    pieces: list[Piece] = field(default_factory=list)  # this rank's, range then tail
+    pieces: list[Piece] = field(default_factory=list)  # this rank's: range (then the tail)
 
     @property
     def shard(self) -> int:
@@ -87,9 +91,13 @@ class BucketShard:
     def tail(self) -> tuple[int, int]:
         return self.world * self.shard, self.numel
 
+    @property
+    def tail_owner(self) -> int:
+        return self.world - 1
+
     def owner(self, element: int) -> int:
-        """The rank whose range holds bucket element `element` (-1: the tail)."""
-        return -1 if element >= self.world * self.shard else element // self.shard
+        """The rank that steps bucket element `element` (the tail's: tail_owner)."""
+        return self.tail_owner if element >= self.world * self.shard else element // self.shard
 
 
 def cut_bucket(index: int, params: list[int], lengths: list[int], world: int,
@@ -101,7 +109,8 @@ def cut_bucket(index: int, params: list[int], lengths: list[int], world: int,
         offsets.append(at)
         at += n
     bucket = BucketShard(index, list(params), offsets, list(lengths), at, world, rank)
-    for lo, hi in (bucket.mine, bucket.tail):
+    runs = [bucket.mine] + ([bucket.tail] if rank == bucket.tail_owner else [])
+    for lo, hi in runs:
         for p, off, n in zip(params, offsets, lengths):
             a, b = max(lo, off), min(hi, off + n)
             step = block or max(b - a, 1)

@@ -162,7 +162,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         get a gradient, may be anyone's), or None."""
         trainable = [p for p in self._all_params if p.requires_grad]
         owners = {id(registry.ddp_of(p)): registry.ddp_of(p) for p in trainable}
-        if len(owners) == 1 and None in owners.values():
+        if not owners or (len(owners) == 1 and None in owners.values()):
             return None
         if None in owners.values() or len(owners) > 1:
             first = next(p for p in trainable if registry.ddp_of(p) is None) \
@@ -260,11 +260,9 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                 main = run.float() if run.dtype in _WIDENED else run
                 self._pieces.append((shard, piece, main))
                 inner_groups[group_of[id(self._params[piece.param])]]["params"].append(main)
-        keep = [g for g in inner_groups if g["params"]] or [dict(inner_groups[0])]
-        self._inner_group_of = [i for i, g in enumerate(inner_groups) if g["params"]]
-        options = {k: v for k, v in self.defaults.items()}
-        self.optim = self._optimizer_class(keep if keep[0]["params"] else
-                                           [torch.zeros(0)], **options)
+        # one inner group per group, empty where this rank steps none of its elements
+        # (torch's ZeroRedundancyOptimizer keeps them too): hyperparameters pair by index
+        self.optim = self._optimizer_class(inner_groups, **self.defaults)
         self._sync_groups(into_inner=False)
         if whole:
             self._load_whole(whole)
@@ -294,8 +292,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     def _sync_groups(self, into_inner: bool = True) -> None:
         """Hyperparameters (lr from a scheduler...) between the full groups and the wrapped
         optimizer's: self.param_groups is the one users and schedulers change."""
-        for inner_index, outer_index in enumerate(self._inner_group_of):
-            inner, outer = self.optim.param_groups[inner_index], self.param_groups[outer_index]
+        for inner, outer in zip(self.optim.param_groups, self.param_groups):
             for key, value in (outer if into_inner else inner).items():
                 if key != "params":
                     (inner if into_inner else outer)[key] = value
@@ -484,21 +481,31 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None, **kwargs: Any):
+        """torch's: `closure` and `kwargs` go to the wrapped optimizer's step, whose return
+        is returned. A callable closure (the forward and backward) runs first, here, so
+        that the pieces are given the gradients it computed; the wrapped optimizer's step
+        is then handed a closure returning its loss."""
         Join.notify_join_context(self)  # a joined rank shadows this step (join_hook)
         loss = None
-        if closure is not None:
+        if callable(closure):
             with torch.enable_grad():
                 loss = closure()
         self._follow_buckets()
         self._sync_groups()
         for (_, _, main), run in zip(self._pieces, self._grad_runs()):
             main.grad = run if run is None or run.dtype == main.dtype else run.to(main.dtype)
-        why = adam_step.reason(self.optim) if not kwargs else "step() was given arguments"
+        forwarded = kwargs or (closure is not None and not callable(closure))
+        why = adam_step.reason(self.optim) if not forwarded else "step() was given arguments"
         if why is None:
             adam_step.step(self.optim)
             self.step_kernel = "pycomm one-pass Adam"
         else:
-            self.optim.step(**kwargs)
+            if callable(closure):
+                loss = self.optim.step(closure=lambda: loss, **kwargs)
+            elif closure is not None:
+                loss = self.optim.step(closure=closure, **kwargs)
+            else:
+                loss = self.optim.step(**kwargs)
             self.step_kernel = f"{type(self.optim).__name__}.step ({why})"
         self._holds_state = True
         self._first_grads = None
@@ -509,8 +516,28 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
             run = self._flat[shard.index][piece.flat:piece.flat + piece.numel]
             if run.data_ptr() != main.data_ptr():
                 run.copy_(main)
+        self._broadcast_tails()
         self._gather()
         return loss
+
+    def _broadcast_tails(self) -> None:
+        """Every bucket's tail from its owner (See Note [Flat shards of a bucket] in
+        layout.py), packed: one broadcast per dtype and device."""
+        if self.world_size == 1:
+            return
+        tails: dict[tuple, list[torch.Tensor]] = {}
+        for shard, flat in zip(self._shards, self._flat):
+            lo, hi = shard.tail
+            if hi > lo:
+                tails.setdefault((flat.dtype, flat.device), []).append(flat[lo:hi])
+        if not tails:
+            return
+        owner = dist.get_global_rank(self._comm_group, self._shards[0].tail_owner)
+        for runs in tails.values():
+            packed = torch.cat(runs) if len(runs) > 1 else runs[0].clone()
+            dist.broadcast(packed, src=owner, group=self._comm_group)
+            if self.rank != self._shards[0].tail_owner:
+                torch._foreach_copy_(runs, list(packed.split([r.numel() for r in runs])))
 
     def _gather(self) -> None:
         """All-gather every bucket's parameters, last bucket first."""
@@ -568,11 +595,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                                        bool(error_if_nonfinite))
         self._follow_buckets()
         norm_type = float(norm_type)
-        runs, tail_runs = [], []
-        for (shard, piece, _), run in zip(self._pieces, self._grad_runs()):
-            if run is not None and (chosen is None or piece.param in chosen):
-                (tail_runs if shard.owner(piece.flat) < 0 else runs).append(run)
-        counted = runs + (tail_runs if self.rank == 0 else [])
+        counted = [run for (_, piece, _), run in zip(self._pieces, self._grad_runs())
+                   if run is not None and (chosen is None or piece.param in chosen)]
         device = self._params[0].device
         inf = norm_type == float("inf")
         if counted:
@@ -591,9 +615,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                 "non-finite, so it cannot be clipped. To disable this error and scale the "
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        scaled = runs + tail_runs
-        if scaled:
-            torch._foreach_mul_(scaled, coef.to(scaled[0].dtype))
+        if counted:
+            torch._foreach_mul_(counted, coef.to(counted[0].dtype))
         return total
 
     @torch.no_grad()
@@ -625,12 +648,35 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         return {found_inf.device: found_inf}
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if getattr(self, "optim", None) is not None:
-            raise RuntimeError(
-                f"ZeroRedundancyOptimizer (rank {dist.get_rank()}): add_param_group after "
-                f"construction is not supported: every parameter of the wrapped module is "
-                f"sharded from the start (give parameter groups to the constructor)")
+        """torch's: after construction the buckets are cut anew over every parameter, the
+        state held moved onto the new pieces. On a pycomm DDP every trainable parameter of
+        the module is in the optimizer from the start, so a new group may hold only
+        parameters that never get a gradient (frozen ones). Collective, as torch's is in
+        effect: every rank must add the same group."""
+        constructed = getattr(self, "optim", None) is not None
+        if constructed:
+            self.wait_for_params()
+            self._follow_buckets()
         super().add_param_group(param_group)
+        _refuse_sparse(self.param_groups[-1:], len(self.param_groups) - 1)
+        if not constructed:
+            return
+        added = self.param_groups[-1]["params"]
+        if self._ddp is not None and any(p.requires_grad for p in added):
+            self.param_groups.pop()
+            at = len(self.param_groups)
+            raise ValueError(
+                f"ZeroRedundancyOptimizer (rank {self.global_rank}): add_param_group on a "
+                f"pycomm DistributedDataParallel's parameters: param_groups[{at}] "
+                f"holds a trainable parameter that is not the DDP's (every parameter of the "
+                f"DDP is in the optimizer from construction); wrap it in the DDP's module "
+                f"before building both, or freeze it")
+        whole = self._whole_states() if self._holds_state else None
+        self._all_params = [p for g in self.param_groups for p in g["params"]]
+        self._bind(self._ddp)
+        self._relayout(whole)
+        if self._ddp is not None:
+            registry.register_sharder(self, self._params)
 
     # ---- join -------------------------------------------------------------------------
 
@@ -644,6 +690,19 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
+
+
+def _refuse_sparse(groups: list[dict], first: int = 0) -> None:
+    """torch's refusal of sparse parameters (a ValueError naming the parameter); flat
+    shards are runs of dense memory."""
+    for g, group in enumerate(groups, first):
+        for i, p in enumerate(group["params"]):
+            if p.layout != torch.strided:
+                raise ValueError(
+                    f"ZeroRedundancyOptimizer: param_groups[{g}]['params'][{i}] is a "
+                    f"{p.layout} tensor (shape {tuple(p.shape)}); only dense (torch.strided) "
+                    f"parameters can be sharded: flat shards are runs of the parameters' "
+                    f"memory")
 
 
 def _drain(pending: dict[int, Any]) -> None:

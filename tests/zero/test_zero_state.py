@@ -316,8 +316,13 @@ def _errors(rank, world_size):
     zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
     with pytest.raises(RuntimeError, match="_set_static_graph.. after a ZeroRedundancy"):
         ddp._set_static_graph()
-    with pytest.raises(RuntimeError, match="add_param_group after construction"):
+    with pytest.raises(ValueError, match=r"param_groups\[1\] holds a trainable parameter that is "
+                                         r"not the DDP's"):
         zero.add_param_group({"params": [stray]})
+    assert len(zero.param_groups) == 1, "the refused group is not kept"
+    zero.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3), requires_grad=False)],
+                          "lr": 0.5})  # a frozen one is (it never gets a gradient)
+    assert len(zero.param_groups) == len(zero.optim.param_groups) == 2
     hooked = _ddp(base)
     hooked.register_comm_hook(None, lambda _, bucket: None)
     with pytest.raises(RuntimeError, match="already has a communication hook"):
