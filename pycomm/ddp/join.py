@@ -51,11 +51,24 @@ def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
         pending += [hook(state, b) for b in buckets]
     for p in pending:
         p.wait()
+    if sync.comm_hook is None:
+        _hand_over(buckets)
     used = None
     if reducer.tracks_usage():  # exactly when the running ranks reduce usage this step
         used = torch.zeros(len(sync.params), dtype=torch.int32, device=sync.device)
         dist.all_reduce(used, group=group)
     reducer.note_shadowed_step(used)
+
+
+def _hand_over(buckets: list) -> None:
+    """The joined rank's param.grad gets the average the running ranks reduced (its own
+    share zeros), as if it had run the backward: what an optimizer that shadows the step
+    steps (ZeroRedundancyOptimizer's join hook, whose shard must stay current). torch's
+    DDP leaves a joined rank's param.grad as it was."""
+    with torch.no_grad():
+        for bucket in buckets:
+            for p, grad in zip(bucket.parameters(), bucket.gradients()):
+                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
 
 
 class DDPJoinHook(JoinHook):
