@@ -40,18 +40,18 @@ def attach_local_clip(reducer, config) -> Optional[object]:
                                 bool(config.local_clip_error_if_nonfinite))
 
 
+def synced_grad(ddp, p: torch.Tensor) -> Optional[torch.Tensor]:
+    """A parameter's synchronized gradient, what ddp.clip_grad_norm_ clips and an
+    optimizer steps: param.grad, or param.main_grad where config.main_grad_only leaves
+    param.grad None."""
+    g = p.grad
+    if g is None and ddp.config.main_grad_only:
+        g = getattr(p, "main_grad", None)
+    return g
+
+
 def _synced_grads(ddp) -> list[torch.Tensor]:
-    """The gradients ddp.clip_grad_norm_ clips: param.grad, or param.main_grad where
-    config.main_grad_only leaves param.grad None."""
-    only = ddp.config.main_grad_only
-    grads = []
-    for _, p in ddp._named_params:
-        g = p.grad
-        if g is None and only:
-            g = getattr(p, "main_grad", None)
-        if g is not None:
-            grads.append(g)
-    return grads
+    return [g for g in (synced_grad(ddp, p) for _, p in ddp._named_params) if g is not None]
 
 
 @torch.no_grad()
@@ -69,7 +69,7 @@ def clip_ddp_grad_norm_(ddp, max_norm: float, norm_type: float = 2.0,
     with main_grad_only, the fp32 param.main_grad are what is scaled.
     """
     sharder = registry.sharder_of(ddp._named_params[0][1])
-    if sharder is not None:  # a ZeroRedundancyOptimizer: the norm is the shards'
+    if sharder is not None and sharder.grads_in_shards:  # the norm is the shards'
         return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     norm_type = float(norm_type)
     grads = _synced_grads(ddp)

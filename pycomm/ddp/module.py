@@ -21,7 +21,7 @@ from .. import overlap, registry
 from ..config import DDPConfig
 from . import construction, pickling
 from .args import check_args, config_from_args, find_tensors, resolve_group
-from .clip import clip_ddp_grad_norm_
+from .clip import clip_ddp_grad_norm_, synced_grad
 from .compat import TorchDDPAttributes, TorchReducer
 from .compile import (
     GraphSplit,
@@ -200,6 +200,12 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         """Clip the synchronized gradients, as torch.nn.utils.clip_grad_norm_ on them would;
         each bucket's norm is computed as its collective completes. See clip.py."""
         return clip_ddp_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    def synced_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """`param`'s synchronized gradient, what clip_grad_norm_ scales and an optimizer
+        steps: param.grad, or param.main_grad where config.main_grad_only leaves
+        param.grad None."""
+        return synced_grad(self, param)
 
     def local_grad_norm(self) -> Optional[torch.Tensor]:
         """With config.local_clip_max_norm: this rank's total gradient norm before it was

@@ -1,8 +1,25 @@
 """pycomm.ZeroRedundancyOptimizer: torch's constructor and API; each rank keeps and steps
 the optimizer state of its shard only (See Note [Flat shards of a bucket] in layout.py).
 
+Note [Two gradient modes]
+By default it keeps torch's contract: on a pycomm DDP the buckets are all-reduced as
+without sharding, and after a synchronized backward, until step() or zero_grad(),
+param.grad holds the averaged gradient (as under torch's ZeroRedundancyOptimizer, and as
+Megatron's distributed optimizer keeps its full gradient buffer). torch's
+clip_grad_norm_, GradScaler, gradient logging and the trainers then see what they see
+with torch's classes. The step reads its pieces out of param.grad (or param.main_grad
+where the DDP's main_grad_only leaves param.grad None: what the DDP's clip scales), steps
+them (1/world of the optimizer's state and memory traffic) and all-gathers the
+parameters. Its gradients cost what the DDP's do.
+release_gradients=True (ZeRO-2) is the opt-in of less memory: each bucket is
+reduce-scattered and released as below, so param.grad is None after a synchronized
+backward; torch's clip_grad_norm_ then clips nothing and torch's GradScaler finds no
+gradients (it raises). Clip with the DDP's, pycomm's or this optimizer's
+clip_grad_norm_ and scale with pycomm.ShardedGradScaler, which read the shards.
+
 Note [Sharding on the reducer]
-On the parameters of a pycomm.DistributedDataParallel it changes what the DDP's reducer
+With release_gradients=True, on the parameters of a pycomm.DistributedDataParallel it
+changes what the DDP's reducer
 does with each bucket (a communication hook, registered at construction; the reducer
 still pre-divides each gradient by the world size as it copies it into the bucket, so the
 collectives only sum, with DDP's numerics):
@@ -33,7 +50,8 @@ collectives only sum, with DDP's numerics):
   module that reads another module's parameter before that module's forward ran (a tied
   weight used first by its second user) must call wait_for_params() itself.
 Note [One rank: nothing to shard]
-On a gradient group of one rank each bucket's shard is the whole bucket, and the hook
+Released or not, on a gradient group of one rank each bucket's shard is the whole
+bucket, and the hook
 would only copy each gradient into its bucket and out again (1.28x the DDP's step on an
 H200: the GPU record of 2026-11-26, in git history since, `git log -- benchmarks/results/
 gpu_check_2026-11-26_nvidia-h200.md`). So there no hook is
@@ -44,12 +62,12 @@ one bucket re-cut is run by the first step that finds it due, before any state e
 as with the hook (_follow_buckets). With grad_reduce_dtype the hook stays: the step needs
 the wide bucket, which param.grad holds only rounded to the parameter's dtype.
 
-On several ranks param.grad after a synchronized backward is None (with
+Released on several ranks, param.grad after a synchronized backward is None (with
 grad_reduce_dtype, whose buckets are kept: the bucket as copied by the DDP, averaged on
-this rank's range only). Clip with ddp.clip_grad_norm_, pycomm.clip_grad_norm_ or this
-optimizer's clip_grad_norm_, which take the global norm from the shards; torch's
-clip_grad_norm_ and GradScaler read param.grad and see none (pycomm.ShardedGradScaler
-scales the shards: Note [Loss scaling over shards] in grad_scaler.py).
+this rank's range only). ddp.clip_grad_norm_, pycomm.clip_grad_norm_ and this
+optimizer's clip_grad_norm_ then take the global norm from the shards
+(pycomm.ShardedGradScaler scales them: Note [Loss scaling over shards] in
+grad_scaler.py).
 
 Without a pycomm DDP (gradients already averaged in param.grad, e.g. by torch's DDP) it
 does what torch's ZeroRedundancyOptimizer does, on flat shards: step its pieces, all-gather
@@ -97,7 +115,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     def __init__(self, params: Iterable, optimizer_class: type[Optimizer],
                  process_group: Optional[dist.ProcessGroup] = None,
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 **defaults: Any):
+                 release_gradients: bool = False, **defaults: Any):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, ELEMENTWISE)):
             name = getattr(optimizer_class, "__name__", repr(optimizer_class))
             raise ValueError(
@@ -110,6 +128,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._optimizer_class = optimizer_class
         self.parameters_as_bucket_view = parameters_as_bucket_view
         self.overlap_with_ddp = overlap_with_ddp
+        # See Note [Two gradient modes]
+        self.release_gradients = bool(release_gradients)
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         ddp = self._find_ddp()
         if ddp is not None:
@@ -311,7 +331,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         release = ddp.config.grad_reduce_dtype is None
         self._hook_state = HookState(self, reduce_scatter, release)
         # See Note [One rank: nothing to shard]
-        self._hooked = self.world_size > 1 or ddp.config.grad_reduce_dtype is not None
+        self._hooked = self.release_gradients and (
+            self.world_size > 1 or ddp.config.grad_reduce_dtype is not None)
         if self._hooked:
             ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook,
                                         reduce_scatter_in_place_hook)
@@ -401,7 +422,15 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                 return
         state = self._hook_state
         if not state.final and not self._hooked:  # the re-cut, once it is due
+            # it drops param.main_grad's averages (a DDP re-cuts before the next forward,
+            # after the step): this step reads them from a copy
+            wide = self._ddp.config.grad_reduce_dtype is not None
+            saved = {i: g.reshape(-1).clone() for i, g in enumerate(
+                map(self._ddp.synced_grad, self._params)) if g is not None} \
+                if wide and self._ddp.reducer.should_rebuild_buckets() else None
             state.final = self._ddp._sync.rebuild_buckets_if_due()
+            if state.final and saved is not None:
+                self._first_grads = saved
         elif not state.final and state.first:
             self._ddp._sync.rebuild_buckets_if_due()
             self._first_grads, state.first, state.final = state.first, {}, True
@@ -441,7 +470,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         parameter has none this step (torch's DDP leaves param.grad None for a parameter
         no rank used; zero_grad dropped it). On a pycomm DDP the runs are the shards the
         communication hook kept (See Note [Sharding on the reducer])."""
-        local = [None if p.grad is None else p.grad.reshape(-1) for p in self._params]
+        grad_of = (lambda p: p.grad) if self._ddp is None else self._ddp.synced_grad
+        local = [None if g is None else g.reshape(-1) for g in map(grad_of, self._params)]
         if self._ddp is None:
             return [None if local[piece.param] is None else
                     local[piece.param][piece.lo:piece.hi] for _, piece, _ in self._pieces]
@@ -571,6 +601,13 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
 
     # ---- clipping ----------------------------------------------------------------------
 
+    @property
+    def grads_in_shards(self) -> bool:
+        """Whether the averaged gradients live in this optimizer's shards rather than in
+        param.grad (See Note [Two gradient modes]): then the clips of pycomm and of the DDP
+        ask it for the norm."""
+        return self._ddp is not None and self._hooked
+
     def covers(self, params: list[torch.Tensor]) -> bool:
         """Whether `params` are all parameters this optimizer shards (or frozen ones)."""
         return all(id(p) in self._index or not p.requires_grad for p in params)
@@ -629,7 +666,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         _unscale_grads_ does. Without a pycomm DDP the gradients are whole in param.grad,
         and all of them are unscaled, as torch's scaler does. Collective."""
         self._follow_buckets()  # adopts a DDP that took the parameters since construction
-        if self._ddp is None:
+        if not self.grads_in_shards:
             runs = [p.grad for p in self._all_params if p.grad is not None]
         else:
             runs = [r for r in self._grad_runs() if r is not None]

@@ -73,7 +73,8 @@ def _released_and_clipped(rank, world_size):
     _on_the_gpu()
     base = build("wide").cuda()
     ddp = _ddp(base)
-    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                          release_gradients=True)
     ref = TorchDDP(copy.deepcopy(base), device_ids=[0], bucket_cap_mb=CAP)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     whole = sum(p.numel() for p in base.parameters())
@@ -104,7 +105,8 @@ def _released_and_clipped(rank, world_size):
 
 def _bf16_main_params(rank, world_size):
     _on_the_gpu()
-    zero_parity._bf16_main_params(rank, world_size, device="cuda")
+    for release in (True, False):
+        zero_parity._bf16_main_params(rank, world_size, device="cuda", release=release)
 
 
 def _scaled(rank, world_size):

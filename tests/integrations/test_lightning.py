@@ -129,8 +129,9 @@ def _sharded_module_class(sharded):
     from lightning.pytorch import LightningModule
 
     class ShardedRegressor(LightningModule):
-        """AdamW, sharded by pycomm.ZeroRedundancyOptimizer or not. No hook reads .grad:
-        sharded, a rank keeps only its shard of the gradients (docs/zero.md). eps=0.1, far
+        """AdamW, sharded by pycomm.ZeroRedundancyOptimizer ("kept": torch's contract, or
+        "released": a rank keeps only its shard of the gradients, docs/zero.md) or not
+        (False). No hook reads .grad. eps=0.1, far
         above sqrt(v) here, makes the step follow the gradients' scale, so that a clip that
         did not scale would show (with a tiny eps AdamW undoes a uniform scale)."""
 
@@ -147,8 +148,9 @@ def _sharded_module_class(sharded):
 
         def configure_optimizers(self):
             if sharded:  # after the strategy wrapped the module: the DDP's buckets are sharded
-                return pycomm.ZeroRedundancyOptimizer(self.parameters(), torch.optim.AdamW,
-                                                      lr=0.05, eps=0.1)
+                return pycomm.ZeroRedundancyOptimizer(
+                    self.parameters(), torch.optim.AdamW, lr=0.05, eps=0.1,
+                    release_gradients=sharded == "released")
             return torch.optim.AdamW(self.parameters(), lr=0.05, eps=0.1)
 
     return ShardedRegressor
@@ -171,7 +173,7 @@ def _fit_sharded(rank, world_size, port, root):
     data = TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 2, generator=g))
     fitted = {}
     for name, strategy, sharded in (("torch", DDPStrategy(), False),
-                                    ("pycomm", "pycomm_ddp", True)):
+                                    ("pycomm", "pycomm_ddp", "kept")):
         torch.manual_seed(0)
         model = _sharded_module_class(sharded)()
         trainer = Trainer(accelerator="cpu", devices=world_size, num_nodes=1, strategy=strategy,
@@ -186,7 +188,7 @@ def _fit_sharded(rank, world_size, port, root):
     ours, zero, path = fitted["pycomm"]
     theirs, _, ref_path = fitted["torch"]
     assert isinstance(zero, pycomm.ZeroRedundancyOptimizer)
-    assert zero._ddp is not None and zero._hook_state.reduce_scatter  # sharded on the reducer
+    assert zero._ddp is not None and not zero.grads_in_shards  # torch's contract
     assert len(ours.losses) == _STEPS * _ACCUMULATE
     # Two ranks: the averaged gradients are the same bits; the clip's fused norm adds in
     # another order than torch's foreach norm (a few fp32 ulp), carried by later steps.
@@ -213,9 +215,10 @@ def test_fit_with_the_sharded_optimizer_matches_torch_ddp_and_adamw(tmp_path):
 
 
 def _fit_scaled(rank, world_size, port, root):
-    """fp16 autocast through Lightning's MixedPrecision plugin, its scaler passed in:
-    pycomm.ShardedGradScaler with the sharded optimizer on "pycomm_ddp", against torch's
-    GradScaler with torch's AdamW on Lightning's DDPStrategy. An initial scale of 2^20
+    """fp16 autocast through Lightning's MixedPrecision plugin, its scaler passed in: on
+    "pycomm_ddp" the sharded optimizer keeping the gradients with torch's GradScaler, and
+    releasing them with pycomm.ShardedGradScaler, against torch's GradScaler with torch's
+    AdamW on Lightning's DDPStrategy. An initial scale of 2^20
     overflows fp16 in the first steps, so both scalers must skip the same steps on every
     rank (the found-inf flag all-reduced over the shards: Note [Loss scaling over shards])
     and end at the same scale; the losses and parameters then agree."""
@@ -234,7 +237,8 @@ def _fit_scaled(rank, world_size, port, root):
     fitted = {}
     for name, strategy, sharded, scaler_class in (
             ("torch", DDPStrategy(), False, torch.amp.GradScaler),
-            ("pycomm", "pycomm_ddp", True, pycomm.ShardedGradScaler)):
+            ("kept", "pycomm_ddp", "kept", torch.amp.GradScaler),
+            ("pycomm", "pycomm_ddp", "released", pycomm.ShardedGradScaler)):
         torch.manual_seed(0)
         model = _sharded_module_class(sharded)()
         scaler = scaler_class("cpu", init_scale=2.0 ** 20)
@@ -245,8 +249,14 @@ def _fit_scaled(rank, world_size, port, root):
                           default_root_dir=os.path.join(root, name))
         trainer.fit(model, DataLoader(data, batch_size=_BATCH))
         fitted[name] = (model, trainer.optimizers[0], scaler)
-    (ours, zero, our_scaler), (theirs, _, their_scaler) = fitted["pycomm"], fitted["torch"]
-    assert isinstance(zero, pycomm.ZeroRedundancyOptimizer) and zero._hook_state.reduce_scatter
+    (theirs, _, their_scaler) = fitted["torch"]
+    kept, kept_zero, kept_scaler = fitted["kept"]
+    (ours, zero, our_scaler) = fitted["pycomm"]
+    assert zero.grads_in_shards and not kept_zero.grads_in_shards
+    kept_zero.wait_for_params()
+    assert kept_scaler.get_scale() == their_scaler.get_scale()
+    for a, b in zip(kept.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert our_scaler.get_scale() == their_scaler.get_scale() < 2.0 ** 20, (
         our_scaler.get_scale(), their_scaler.get_scale())
     tol = dict(rtol=1e-5, atol=1e-6)

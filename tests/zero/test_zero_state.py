@@ -258,7 +258,8 @@ def _released(rank, world_size):
     stay (they hold no_sync's sums)."""
     base = build("wide")
     ddp = _ddp(base)
-    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                          release_gradients=True)
     whole = sum(p.numel() for p in base.parameters())
     buckets = len(ddp.reducer.bucket_indices())
     for step in range(3):  # the buckets are re-cut after step 0
@@ -281,7 +282,8 @@ def _released(rank, world_size):
         zero.step()
     assert zero._hook_state.final and not zero._hook_state.first
     low = _ddp(base.to(torch.bfloat16), grad_reduce_dtype=torch.float32)
-    zero = pycomm.ZeroRedundancyOptimizer(low.parameters(), torch.optim.AdamW, lr=1e-2)
+    zero = pycomm.ZeroRedundancyOptimizer(low.parameters(), torch.optim.AdamW, lr=1e-2,
+                                          release_gradients=True)
     loss_of(low(make_input("mlp", rank, 0).to(torch.bfloat16))).float().backward()
     assert all(p.grad is not None for p in low.parameters())
     assert all(low.reducer.grad_view(i).untyped_storage().nbytes() > 0
@@ -326,7 +328,10 @@ def _errors(rank, world_size):
     hooked = _ddp(base)
     hooked.register_comm_hook(None, lambda _, bucket: None)
     with pytest.raises(RuntimeError, match="already has a communication hook"):
-        pycomm.ZeroRedundancyOptimizer(hooked.parameters(), torch.optim.AdamW)
+        pycomm.ZeroRedundancyOptimizer(hooked.parameters(), torch.optim.AdamW,
+                                       release_gradients=True)
+    # keeping the gradients, the DDP reduces them through its own hook
+    pycomm.ZeroRedundancyOptimizer(hooked.parameters(), torch.optim.AdamW)
     with pytest.raises(ValueError, match="not a sharded state dict"):
         zero.load_state_dict([{"state": {}}])
     _train(ddp, zero, rank, 2)  # the refusals left it working

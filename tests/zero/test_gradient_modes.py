@@ -1,0 +1,118 @@
+"""The two gradient modes of pycomm.ZeroRedundancyOptimizer on pycomm's DDP (Note [Two
+gradient modes] in pycomm/zero/optimizer.py). By default a torch user's habits give
+torch's results: torch's clip_grad_norm_, a norm logged from param.grad and torch's
+GradScaler, against torch's DDP with torch's ZeroRedundancyOptimizer on the same inputs.
+With release_gradients=True param.grad is None after a synchronized backward, and
+pycomm's clip and ShardedGradScaler give those results from the shards."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import pycomm
+from tests.support.ddp_models import build, loss_of, make_input
+from tests.support.multirank import run_ranks
+
+_CLIP = 0.01
+
+
+def _logged_norm(params) -> torch.Tensor:
+    """What a training script logs: the gradients' global norm, read from param.grad."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def _habits(ddp, opt, rank, scaler_class, clip, steps=4):
+    """A torch user's AMP loop: scaled backward, unscale_, a logged norm, a clip, the
+    scaler's step and update. Returns (logged norms, clip norms, scales)."""
+    scaler = scaler_class("cpu", init_scale=2.0 ** 8)
+    logged, clipped, scales = [], [], []
+    for step in range(steps):
+        opt.zero_grad()
+        scaler.scale(loss_of(ddp(make_input("mlp", rank, step)))).backward()
+        scaler.unscale_(opt)
+        logged.append(_logged_norm(ddp.parameters()))
+        clipped.append(clip(ddp))
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return torch.stack(logged), torch.stack(clipped), scales
+
+
+def _torch_clip(ddp):
+    return torch.nn.utils.clip_grad_norm_(ddp.parameters(), _CLIP)
+
+
+def _pycomm_clip(ddp):
+    return pycomm.clip_grad_norm_(ddp.parameters(), _CLIP)
+
+
+def _torch_habits_give_torch_results(rank, world_size):
+    base = build("mlp")
+    cfg = pycomm.DDPConfig(bucket_cap_mb=5e-4)
+    ref = TorchDDP(copy.deepcopy(base), bucket_cap_mb=5e-4)
+    ref_opt = TorchZero(ref.parameters(), torch.optim.AdamW, lr=1e-2)
+    want = _habits(ref, ref_opt, rank, torch.amp.GradScaler, _torch_clip)
+    assert all(n > _CLIP for n in want[1]), f"the test must clip: {want[1]}"
+    for release, scaler, clip in ((False, torch.amp.GradScaler, _torch_clip),
+                                  (True, pycomm.ShardedGradScaler, _pycomm_clip)):
+        ddp = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+        zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                              release_gradients=release)
+        got = _habits(ddp, zero, rank, scaler, clip)
+        zero.wait_for_params()
+        what = "released" if release else "kept"
+        if not release:  # param.grad is the average: the logged norm is torch's
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=0, msg=what)
+        else:  # nothing in param.grad to log: pycomm's clip returns the norm instead
+            assert all(n == 0 for n in got[0]), what
+        torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=0, msg=what)
+        assert got[2] == want[2], what
+        for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{what}: {name}")
+
+
+def test_torch_clip_logging_and_grad_scaler_give_torch_results():
+    run_ranks(_torch_habits_give_torch_results, 2)
+
+
+def _what_param_grad_holds(rank, world_size):
+    """Kept: after the synchronized backward, until step() or zero_grad(), param.grad is
+    torch's DDP's averaged gradient, bit for bit, and it stays through the step; released:
+    None. torch's GradScaler finds no gradient to unscale on the released optimizer and
+    raises, rather than stepping unscaled gradients."""
+    base = build("mlp")
+    ref = TorchDDP(copy.deepcopy(base))
+    loss_of(ref(make_input("mlp", rank, 0))).backward()
+    for release in (False, True):
+        ddp = pycomm.DistributedDataParallel(copy.deepcopy(base))
+        zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2,
+                                              release_gradients=release)
+        loss_of(ddp(make_input("mlp", rank, 0))).backward()
+        for (name, p), q in zip(ddp.module.named_parameters(), ref.module.parameters()):
+            if release:
+                assert p.grad is None, name
+            else:
+                assert torch.equal(p.grad, q.grad), name
+        grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
+        zero.step()
+        for p, g in zip(ddp.parameters(), grads):
+            assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+        zero.zero_grad()
+        assert all(p.grad is None for p in ddp.parameters())
+        if release:
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(loss_of(ddp(make_input("mlp", rank, 1)))).backward()
+            with pytest.raises(AssertionError, match="No inf checks were recorded"):
+                scaler.step(zero)
+
+
+def test_param_grad_in_each_mode():
+    run_ranks(_what_param_grad_holds, 2)
