@@ -68,9 +68,11 @@ IMPLS = {
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),
-    # Sharded data parallelism (sharded.py): pycomm's ZeroRedundancyOptimizer on its DDP,
-    # torch's on torch's DDP, FSDP2. The default set with --optimizer adamw.
+    # Sharded data parallelism (sharded.py): pycomm's ZeroRedundancyOptimizer on its DDP
+    # (gradients kept, or released), torch's on torch's DDP, FSDP2. The default set with
+    # --optimizer adamw.
     "pycomm_zero": sharded.pycomm_zero,
+    "pycomm_zero_released": sharded.pycomm_zero,
     "torch_zero": sharded.torch_zero,
     "fsdp2": sharded.fsdp2,
 }

@@ -1,5 +1,6 @@
 """The optimizers of `pycomm-bench ddp`, and its sharded implementations: pycomm's
-ZeroRedundancyOptimizer on pycomm's DDP ("pycomm_zero"), torch's ZeroRedundancyOptimizer
+ZeroRedundancyOptimizer on pycomm's DDP, keeping param.grad ("pycomm_zero", the default
+mode) or releasing it ("pycomm_zero_released"), torch's ZeroRedundancyOptimizer
 on torch's DDP ("torch_zero") and torch's FSDP2 ("fsdp2": fully_shard on every top-level
 block and the root, reshard_after_forward=False, the ZeRO-2 shape that keeps parameters
 between forward and backward). What differs between them, for the step loop in ddp.py:
@@ -25,8 +26,9 @@ from ..zero.gathers import attach
 # ones stepping their flat pieces with it: the fastest AdamW a GPU user picks.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-6}), "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
               "adamw_fused": (torch.optim.AdamW, {"lr": 1e-4, "fused": True})}
-SHARDED = ("pycomm_zero", "torch_zero", "fsdp2")
-ADAMW_IMPLS = ("pycomm", "pycomm_zero", "torch_zero", "fsdp2")
+PYCOMM_ZERO = ("pycomm_zero", "pycomm_zero_released")
+SHARDED = (*PYCOMM_ZERO, "torch_zero", "fsdp2")
+ADAMW_IMPLS = ("pycomm", *PYCOMM_ZERO, "torch_zero", "fsdp2")
 
 
 def fsdp2(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
@@ -52,8 +54,10 @@ def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
 
 def optimizer(impl: str, model: nn.Module, name: str) -> torch.optim.Optimizer:
     cls, options = OPTIMIZERS[name]
-    if impl == "pycomm_zero":
-        return ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True, **options)
+    if impl in PYCOMM_ZERO:
+        return ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True,
+                                       release_gradients=impl == "pycomm_zero_released",
+                                       **options)
     if impl == "torch_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 

@@ -136,10 +136,11 @@ def test_adamw_compares_the_sharded_implementations(tmp_path):
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
-    assert list(rows) == ["pycomm", "pycomm_zero", "torch_zero", "fsdp2"], list(rows)
+    assert list(rows) == ["pycomm", "pycomm_zero", "pycomm_zero_released", "torch_zero",
+                          "fsdp2"], list(rows)
     whole = rows["pycomm"]["state_mb"]
     assert whole > 200, whole  # AdamW: two fp32 tensors per parameter, 25.2M parameters
-    for impl in ("pycomm_zero", "torch_zero", "fsdp2"):
+    for impl in ("pycomm_zero", "pycomm_zero_released", "torch_zero", "fsdp2"):
         assert abs(rows[impl]["state_mb"] / whole - 0.5) < 0.01, (impl, rows[impl])
     assert 0.0 <= rows["pycomm_zero"]["gather_hidden"] <= 1.0, rows["pycomm_zero"]
     assert "# mlp: pycomm_zero step against pycomm " in out.stdout, out.stdout
