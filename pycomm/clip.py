@@ -50,7 +50,8 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
         if is_generator and not parameters:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
-    sharder = registry.sharder_of(parameters[0]) if parameters else None
+    ddp = registry.ddp_of(parameters[0]) if parameters else None
+    sharder = None if ddp is None else ddp.sharder
     if sharder is not None and sharder.grads_in_shards and sharder.covers(parameters):
         return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, parameters)
     # Reads every .grad in C++: plain CPU gradients are clipped right there, anything else

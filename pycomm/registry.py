@@ -1,9 +1,9 @@
 """Who owns a parameter, for the parts of pycomm handed only parameters: which pycomm
 DistributedDataParallel reduces its gradient (registered at the DDP's construction, read by
-pycomm.ZeroRedundancyOptimizer) and which ZeroRedundancyOptimizer shards it (registered at
-the optimizer's, read by the clips). Weak both ways: nothing here keeps a parameter, a DDP
-or an optimizer alive. A module of its own so that the DDP and the optimizer, which read
-each other's entries, import neither each other."""
+pycomm.ZeroRedundancyOptimizer, which then attaches itself to that DDP, and by
+pycomm.clip_grad_norm_, which asks the DDP for its sharder). Weak both ways: nothing here
+keeps a parameter or a DDP alive. A module of its own so that the DDP and the optimizer
+import neither each other."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import torch
 # entry whose parameter died (and whose id may be reused) is recognized by its dead reference.
 _Table = dict[int, tuple[weakref.ref, weakref.ref]]
 _ddps: _Table = {}
-_sharders: _Table = {}
 
 
 def _register(table: _Table, owner: Any, params: list[torch.Tensor]) -> None:
@@ -41,12 +40,3 @@ def register_ddp(ddp: Any, params: list[torch.Tensor]) -> None:
 def ddp_of(param: torch.Tensor) -> Optional[Any]:
     """The live pycomm DDP reducing `param`'s gradient, or None."""
     return _lookup(_ddps, param)
-
-
-def register_sharder(optimizer: Any, params: list[torch.Tensor]) -> None:
-    _register(_sharders, optimizer, params)
-
-
-def sharder_of(param: torch.Tensor) -> Optional[Any]:
-    """The live ZeroRedundancyOptimizer sharding `param`'s gradient and state, or None."""
-    return _lookup(_sharders, param)

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from .. import _C, ops, registry
+from .. import _C, ops
 from ..clip import _norm_dtype
 
 
@@ -68,7 +68,7 @@ def clip_ddp_grad_norm_(ddp, max_norm: float, norm_type: float = 2.0,
     grad_reduce_dtype, it is of the wide reduced buffer, i.e. before param.grad's rounding;
     with main_grad_only, the fp32 param.main_grad are what is scaled.
     """
-    sharder = registry.sharder_of(ddp._named_params[0][1])
+    sharder = ddp.sharder
     if sharder is not None and sharder.grads_in_shards:  # the norm is the shards'
         return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
     norm_type = float(norm_type)

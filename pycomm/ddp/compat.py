@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
-from .. import _C, registry
+from .. import _C
 
 TORCH_DDP = _TorchDDP
 """torch's own DistributedDataParallel class, whatever pycomm.patch() later binds to
@@ -174,7 +174,7 @@ class TorchDDPAttributes:
                           "you do not need to set find_unused_parameters=true, just be sure "
                           "these unused parameters will not change during training loop while "
                           "calling `_set_static_graph`.", stacklevel=2)
-        if registry.sharder_of(self._named_params[0][1]) is not None:
+        if self.sharder is not None:
             raise RuntimeError("_set_static_graph() after a ZeroRedundancyOptimizer was built "
                                "on this DDP: pass static_graph=True to the DDP, or call "
                                "_set_static_graph() before building the optimizer")

@@ -10,21 +10,22 @@ imports nothing of the module itself."""
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from .. import registry
 from ..config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .forward import ForwardSync
 
 
 class JoinFlags(Protocol):
-    """The DDP module's attributes a joined rank reads and sets: torch's public ones."""
+    """The DDP module's attributes a joined rank reads and sets: torch's public ones, and
+    the sharded optimizer attached to it."""
     config: DDPConfig
     require_forward_param_sync: bool
+    sharder: Any
 
 
 def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
@@ -91,7 +92,7 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join."""
         sync, flags = self.sync(), self.flags
-        sharder = registry.sharder_of(sync.params[0])
+        sharder = flags.sharder
         if sharder is not None:  # its all-gathers write the parameters broadcast here
             sharder.wait_for_params()
         src = sync.common_rank(is_last_joiner)

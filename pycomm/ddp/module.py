@@ -9,6 +9,7 @@ pickling.py's."""
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Optional
 
@@ -146,7 +147,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     def _pre_forward(self, inputs: tuple, kwargs: dict,
                      compiling: bool = False) -> tuple[tuple, dict]:
         mark_skipped_frames()
-        sharder = registry.sharder_of(self._named_params[0][1])
+        sharder = self.sharder
         if sharder is not None:  # a ZeroRedundancyOptimizer's pending parameter all-gathers
             sharder.before_module_call(compiling or module_compiled(self.module))
         sync = self._sync
@@ -222,8 +223,36 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         self.reducer.register_comm_hook(state, hook)
         self._sync.comm_hook = (state, hook)
 
-    def _register_sharding_hook(self, state: object, hook: Callable,
-                                in_place_hook: Callable) -> None:
+    # ---- sharding (pycomm.ZeroRedundancyOptimizer) ------------------------------------
+
+    def attach_sharder(self, sharder: Any) -> None:
+        """The sharded optimizer over this DDP's parameters (pycomm.ZeroRedundancyOptimizer
+        attaches itself when it is built on the DDP, or moves onto it). The DDP's forward
+        waits for its pending parameter all-gathers (before_module_call), the DDP's clip
+        asks it for the norm where the gradients live in its shards (grads_in_shards,
+        clip_grad_norm_), and join waits for its all-gathers (wait_for_params). Held
+        weakly; a later one replaces it."""
+        self._sharder = weakref.ref(sharder)
+
+    @property
+    def sharder(self) -> Optional[Any]:
+        """The attached sharded optimizer, while it lives (attach_sharder), or None."""
+        ref = getattr(self, "_sharder", None)
+        return None if ref is None else ref()
+
+    @property
+    def reduced_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The parameters whose gradients the reducer reduces, with their names, in the
+        reducer's index order (bucket_indices() indexes this list)."""
+        return list(self._named_params)
+
+    def rebuild_buckets_if_due(self) -> bool:
+        """Re-cut the buckets now if the one re-cut after the first synchronized step is
+        due (the next forward would run it); whether it ran. Collective."""
+        return self._sync.rebuild_buckets_if_due()
+
+    def register_sharding_hook(self, state: object, hook: Callable,
+                               in_place_hook: Callable) -> None:
         """pycomm.ZeroRedundancyOptimizer's communication hook: the reducer pre-divides
         each gradient as without a hook, and the hook only sums (PythonCommHook's
         pre_divided in csrc/reducer/comm_hook.h); `in_place_hook` is its form for

@@ -10,8 +10,9 @@ import copy
 
 from .compile import GraphSplit
 
-REBUILT = ("process_group", "_runtime", "_delayed", "_graph_split")
-"""Attributes left out of the pickle; the unpickled module makes its own."""
+REBUILT = ("process_group", "_runtime", "_delayed", "_graph_split", "_sharder")
+"""Attributes left out of the pickle; the unpickled module makes its own (no sharded
+optimizer is attached to it)."""
 
 
 def pickled_state(attrs: dict) -> dict:

@@ -153,7 +153,6 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._relayout(whole=None)
         if self._ddp is not None:
             self._attach(self._ddp)
-        registry.register_sharder(self, self._params)
 
     # ---- where the parameters are ------------------------------------------------------
 
@@ -163,8 +162,9 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         Then the checks, the agreement across ranks included (collective)."""
         self._ddp = ddp
         if ddp is not None:
-            self._params = [p for _, p in ddp._named_params]
-            self._names = [n for n, _ in ddp._named_params]
+            named = ddp.reduced_named_parameters
+            self._params = [p for _, p in named]
+            self._names = [n for n, _ in named]
             self._comm_group = ddp.gradient_group
         else:
             self._params = list(self._all_params)
@@ -320,6 +320,7 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
     # ---- the DDP side -----------------------------------------------------------------
 
     def _attach(self, ddp) -> None:
+        ddp.attach_sharder(self)
         # Reduce-scatter where the backend has a real one: NCCL's, and pycomm's (shared
         # memory on one host; across hosts See Note [Hierarchical reduce-scatter and
         # all-gather] in csrc/shm/hier.h). Gloo's is an all-reduce per rank, so on Gloo
@@ -334,8 +335,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._hooked = self.release_gradients and (
             self.world_size > 1 or ddp.config.grad_reduce_dtype is not None)
         if self._hooked:
-            ddp._register_sharding_hook(self._hook_state, reduce_scatter_hook,
-                                        reduce_scatter_in_place_hook)
+            ddp.register_sharding_hook(self._hook_state, reduce_scatter_hook,
+                                       reduce_scatter_in_place_hook)
             ddp.reducer.set_release_gradients(release)
             self._hook_state.registered(ddp.reducer)
         self._hook_handles = []
@@ -428,11 +429,11 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
             saved = {i: g.reshape(-1).clone() for i, g in enumerate(
                 map(self._ddp.synced_grad, self._params)) if g is not None} \
                 if wide and self._ddp.reducer.should_rebuild_buckets() else None
-            state.final = self._ddp._sync.rebuild_buckets_if_due()
+            state.final = self._ddp.rebuild_buckets_if_due()
             if state.final and saved is not None:
                 self._first_grads = saved
         elif not state.final and state.first:
-            self._ddp._sync.rebuild_buckets_if_due()
+            self._ddp.rebuild_buckets_if_due()
             self._first_grads, state.first, state.final = state.first, {}, True
         if shard_layout.signature(self._buckets()) != self._signature:
             self._relayout(self._whole_states() if self._holds_state else None)
@@ -455,13 +456,12 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
             return
         ddp = self._find_ddp()  # every parameter the one DDP's, or a named error
         whole = self._whole_states() if self._holds_state else None
-        rebuilt = ddp._sync.rebuild_buckets_if_due()
+        rebuilt = ddp.rebuild_buckets_if_due()
         self._bind(ddp)
         self._relayout(whole)
         self._attach(ddp)
         if rebuilt:  # See Note [The first step's buckets]: no re-cut is still to come
             self._hook_state.final = True
-        registry.register_sharder(self, self._params)
 
     # ---- the step ---------------------------------------------------------------------
 
@@ -617,8 +617,8 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                         error_if_nonfinite: bool = False,
                         parameters: Optional[Iterable[torch.Tensor]] = None) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, as torch.nn.utils.
-        clip_grad_norm_ over the whole model would: the norm from every rank's range (the
-        tail counted once), one all-reduce of the partial, the pieces scaled. Inside the
+        clip_grad_norm_ over the whole model would: the norm from the runs each rank owns,
+        one all-reduce of the partial, the pieces scaled. Inside the
         DDP's no_sync (local gradients in param.grad, nothing reduced) it clips param.grad
         as pycomm.clip_grad_norm_ does. `parameters` (default: all it shards) restricts the
         norm and the scaling to those, as torch's clip of a subset does. Collective."""
@@ -712,8 +712,6 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
         self._all_params = [p for g in self.param_groups for p in g["params"]]
         self._bind(self._ddp)
         self._relayout(whole)
-        if self._ddp is not None:
-            registry.register_sharder(self, self._params)
 
     # ---- join -------------------------------------------------------------------------
 
