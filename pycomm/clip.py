@@ -3,6 +3,15 @@ torch.nn.utils.clip_grad_norm_ built on the fused ops (one C++ call per step how
 gradients there are; the norm pass and the scale pass are the only passes over memory,
 and the scale pass is skipped when the coefficient is 1). The bucket-aware variant behind
 DistributedDataParallel.clip_grad_norm_ is pycomm/ddp/clip.py.
+
+Note [Clipping from partials]
+A clip whose gradients are spread (over buckets, over ranks) merges norm partials
+(pycomm.ops.norm_partial: [sum |g|^p or max |g|, nonfinite]) and finishes in one place,
+clip_from_partial: the norm and coefficient (ops.clip_coef, rounded as torch rounds
+them), the non-finite refusal, the scale. DistributedDataParallel.clip_grad_norm_ merges
+its reduced buckets' partials; the sharded optimizer with released gradients all-reduces
+each rank's partial of its shards. pycomm.clip_grad_norm_ on whole gradients does the same
+in one C++ call (csrc/grad/clip.cpp).
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import _C, registry
+from . import _C, ops, registry
 
 _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -59,6 +68,22 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
     # why this is not a torch.ops call.
     return _C._clip_grad_norm_(parameters, float(max_norm), float(norm_type),
                                bool(error_if_nonfinite))
+
+
+def clip_from_partial(grads: list[torch.Tensor], partial: torch.Tensor, max_norm: float,
+                      norm_type: float, error_if_nonfinite: bool,
+                      norm_dtype: torch.dtype) -> torch.Tensor:
+    """Scale `grads` by the clip coefficient of the merged norm `partial` (See Note
+    [Clipping from partials]); the total norm, in `norm_dtype`."""
+    total, coef = ops.clip_coef(partial, norm_type, max_norm, norm_dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    if grads:
+        ops.scale_(grads, coef)
+    return total
 
 
 def _norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:

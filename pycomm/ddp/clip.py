@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 
 from .. import _C, ops
-from ..clip import _norm_dtype
+from ..clip import _norm_dtype, clip_from_partial
 
 
 def attach_local_clip(reducer, config) -> Optional[object]:
@@ -78,11 +78,5 @@ def clip_ddp_grad_norm_(ddp, max_norm: float, norm_type: float = 2.0,
         return torch.tensor(0.0)
     if partial is None:
         return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
-    total, coef = ops.clip_coef(partial, norm_type, max_norm, _norm_dtype(grads))
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the "
-            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    ops.scale_(grads, coef)
-    return total
+    return clip_from_partial(grads, partial, max_norm, norm_type, error_if_nonfinite,
+                             _norm_dtype(grads))

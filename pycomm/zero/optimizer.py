@@ -88,7 +88,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from .. import _C, registry
+from .. import _C, ops, registry
+from ..clip import clip_from_partial
 from . import adam_step
 from . import layout as shard_layout
 from .checkpoint import ShardedStateDicts
@@ -617,8 +618,9 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                         error_if_nonfinite: bool = False,
                         parameters: Optional[Iterable[torch.Tensor]] = None) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, as torch.nn.utils.
-        clip_grad_norm_ over the whole model would: the norm from the runs each rank owns,
-        one all-reduce of the partial, the pieces scaled. Inside the
+        clip_grad_norm_ over the whole model would: each rank's norm partial of the runs it
+        owns, one all-reduce, the pieces scaled (Note [Clipping from partials] in
+        pycomm/clip.py). Inside the
         DDP's no_sync (local gradients in param.grad, nothing reduced) it clips param.grad
         as pycomm.clip_grad_norm_ does. `parameters` (default: all it shards) restricts the
         norm and the scaling to those, as torch's clip of a subset does. Collective."""
@@ -632,29 +634,19 @@ class ZeroRedundancyOptimizer(ShardedStateDicts, Optimizer, Joinable):
                                        bool(error_if_nonfinite))
         self._follow_buckets()
         norm_type = float(norm_type)
-        counted = [run for (_, piece, _), run in zip(self._pieces, self._grad_runs())
-                   if run is not None and (chosen is None or piece.param in chosen)]
+        runs = [run for (_, piece, _), run in zip(self._pieces, self._grad_runs())
+                if run is not None and (chosen is None or piece.param in chosen)]
+        # every rank's partial in one dtype (they are all-reduced), the norm in torch's
+        wide = any(p.dtype == torch.float64 for p in self._params)
+        norm_dtype = torch.float64 if wide else torch.float32
         device = self._params[0].device
+        partial = ops.norm_partial(runs, norm_type).to(norm_dtype) if runs else \
+            torch.zeros(2, dtype=norm_dtype, device=device)
         inf = norm_type == float("inf")
-        if counted:
-            norms = torch.stack([torch.linalg.vector_norm(r, norm_type, dtype=torch.float32)
-                                 for r in counted])
-            part = norms.max() if inf else norms.pow(norm_type).sum()
-        else:
-            part = torch.zeros((), device=device)
-        part = part.to(torch.float64).reshape(1)
-        dist.all_reduce(part, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+        dist.all_reduce(partial, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                         group=self._comm_group)
-        total = (part[0] if inf else part[0].pow(1.0 / norm_type)).to(torch.float32)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is "
-                "non-finite, so it cannot be clipped. To disable this error and scale the "
-                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        if counted:
-            torch._foreach_mul_(counted, coef.to(counted[0].dtype))
-        return total
+        return clip_from_partial(runs, partial, max_norm, norm_type, error_if_nonfinite,
+                                 norm_dtype)
 
     @torch.no_grad()
     def unscale_shards_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor,
