@@ -1,6 +1,7 @@
 """Peak memory of one rank training with AdamW, each implementation in processes of its
-own (so each peak is its own): pycomm's DDP, pycomm's ZeroRedundancyOptimizer on it,
-torch's DDP with torch's ZeroRedundancyOptimizer, FSDP2. The bench model (the 25.2M
+own (so each peak is its own): pycomm's DDP, pycomm's ZeroRedundancyOptimizer on it
+(gradients kept, or released), torch's DDP with torch's ZeroRedundancyOptimizer, FSDP2.
+The bench model (the 25.2M
 parameter MLP of pycomm-bench ddp), 2 local Gloo ranks, 1 thread each, a few steps.
 
 Reported per implementation (the larger rank):
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from pycomm.bench import common, ddp, sharded
 from pycomm.bench.models import build_model
 
-IMPLS = ("pycomm", "pycomm_zero", "torch_zero", "fsdp2")
+IMPLS = ("pycomm", "pycomm_zero", "pycomm_zero_released", "torch_zero", "fsdp2")
 
 
 def _return_freed_memory() -> None:
