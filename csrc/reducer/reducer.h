@@ -126,7 +126,7 @@ class Reducer {
 
   // Before the first backward, as torch's; with between_steps also later, while no
   // backward is running (the sharded optimizer adopting a DDP built after it: Note
-  // [Wrapped after the optimizer] in pycomm/zero/optimizer.py). Which path a bucket takes
+  // [Wrapped after the optimizer] in pycomm/zero/binding.py). Which path a bucket takes
   // is decided per step, at its first hook.
   void set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps = false);
   // Whether the Python hook's in-place form reduces buckets from the next backward on

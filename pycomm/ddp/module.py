@@ -258,7 +258,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         pre_divided in csrc/reducer/comm_hook.h); `in_place_hook` is its form for
         gradients reduced where they are, which the optimizer switches on
         (reducer.set_comm_hook_in_place). Also between steps after training began (See
-        Note [Wrapped after the optimizer] in pycomm/zero/optimizer.py)."""
+        Note [Wrapped after the optimizer] in pycomm/zero/binding.py)."""
         if self._sync.comm_hook is not None:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "

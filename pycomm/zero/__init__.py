@@ -1,7 +1,10 @@
 """Sharded data parallelism: pycomm.ZeroRedundancyOptimizer.
 
-  optimizer.py   the optimizer: the layout of parameters and pieces, the sharded step,
-                 the parameter all-gathers behind the forward, the clip
+  optimizer.py   the optimizer's front: constructor, step, zero_grad, the clip, the
+                 scaler's unscale, add_param_group, join
+  binding.py     whose parameters it shards: a pycomm DDP's (its hooks, re-cut, forward)
+                 or its own, and where each piece's gradient is read
+  flat.py        the flat parameter buffers, the pieces stepped, the all-gathers and tails
   layout.py      which elements each rank owns (flat shards of the buckets)
   adam_step.py   torch's Adam / AdamW stepped in one pass on CPU, where it gives their bits
   hook.py        the DDP communication hook: a bucket reduce-scattered, the rank's shard

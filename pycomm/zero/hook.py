@@ -1,6 +1,6 @@
 """The communication hook a pycomm.ZeroRedundancyOptimizer registers on its DDP: how a
 bucket is reduced when the optimizer is sharded (See Note [Sharding on the reducer] in
-optimizer.py), and what the hook keeps for the step (HookState)."""
+binding.py), and what the hook keeps for the step (HookState)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ class HookState:
         self.index = zero._index  # id(parameter) -> reducer index (the optimizer's)
         self.grads: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
-        # See Note [The first step's buckets] in optimizer.py: False while a re-cut is
+        # See Note [The first step's buckets] in binding.py: False while a re-cut is
         # still to come (the DDP records its first step: not with find_unused_parameters
         # alone); until then whole buckets are all-reduced and each parameter's gradient
         # kept in `first`
@@ -94,7 +94,7 @@ def _kept(state: HookState, index: int, buf: torch.Tensor) -> tuple[torch.Tensor
 
 def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer] in
-    optimizer.py):
+    binding.py):
     the reducer pre-divided the gradients (pre_divided), so the collectives sum them into
     the averages; the rank keeps its range and the tail (added to what it kept since
     zero_grad, as param.grad accumulates over several synchronized backwards)."""
@@ -102,7 +102,7 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     world, rank, group = state.world, state.rank, state.group
     s = buf.numel() // world
     index = bucket.index()
-    if not state.final:  # See Note [The first step's buckets] in optimizer.py
+    if not state.final:  # See Note [The first step's buckets] in binding.py
         members = [(state.index[id(p)], p.numel()) for p in bucket.parameters()]
 
         def keep_whole(fut):

@@ -110,7 +110,7 @@ def _train_adamw(accelerator, how, world_size):
     on the wrapped module and prepared); "early" (the sharded optimizer built on the bare
     module, both prepared together: Accelerate's usual order, after which the optimizer
     moves onto the DDP at its first step; Note [Wrapped after the optimizer] in
-    pycomm/zero/optimizer.py); both keep the gradients (torch's contract). "released" is
+    pycomm/zero/binding.py); both keep the gradients (torch's contract). "released" is
     "sharded" with release_gradients=True, whose clip must be pycomm's (it reads the
     shards). All under pycomm.patch(), which makes Accelerate wrap in pycomm's DDP. eps=0.1,
     far above sqrt(v) here, makes AdamW's step follow the gradients' scale, so that a clip
