@@ -147,7 +147,7 @@ void Bucket::reset_step() {
   unused = 0;
   skipped = false;
   deferred.clear();
-  in_place = false;
+  path = BucketPath::kBuffer;
   grads.clear();
   future.reset();
   ready_ns = launch_ns = -1;

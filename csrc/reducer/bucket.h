@@ -16,6 +16,37 @@ namespace pycomm::reducer {
 
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
+// Note [Bucket paths]
+// What the reducer does with a bucket in a step is one of four paths, decided once when
+// the step's backward begins (Reducer::begin_backward_locked) from the options, the
+// communication hook and the group, and left for kBuffer / kReleased only when a gradient
+// does not qualify for the in-place path (Reducer::leave_in_place). Two questions make it:
+// - where the collective reads and writes: the bucket's buffer, which each gradient is
+//   copied into (torch's way), or the gradients where they are (Note [Gradients reduced
+//   in place] in in_place.cpp);
+// - who takes the result: finalize, which copies it into param.grad (torch's way), or
+//   the communication hook, which keeps it (a sharded optimizer's range) while the
+//   gradients are dropped (Note [Released gradients] in launch.cpp).
+enum class BucketPath : uint8_t {
+  kBuffer,           // copied in, reduced in the buffer, copied back by finalize
+  kInPlace,          // reduced where the gradients are; nothing to copy either way
+  kReleased,         // copied in and dropped; the hook keeps the result
+  kReleasedInPlace,  // reduced where they are, the hook keeps the result; then dropped
+};
+
+inline bool in_place(BucketPath path) {
+  return path == BucketPath::kInPlace || path == BucketPath::kReleasedInPlace;
+}
+
+inline bool releases(BucketPath path) {
+  return path == BucketPath::kReleased || path == BucketPath::kReleasedInPlace;
+}
+
+// The path a bucket takes when it leaves the in-place path for the step.
+inline BucketPath through_buffer(BucketPath path) {
+  return releases(path) ? BucketPath::kReleased : BucketPath::kBuffer;
+}
+
 // One flat, contiguous buffer holding the gradients of `params` (reducer parameter
 // indices) back to back, in bucket order.
 struct Bucket {
@@ -32,11 +63,11 @@ struct Bucket {
   size_t unused = 0;            // parameters unused this step (skip_all_reduce_unused_params)
   bool skipped = false;         // not reduced this step (all its parameters unused)
   std::vector<size_t> deferred;  // slots whose copy waits for the bucket (batched copy)
-  // Reduced where the gradients are, not through `buffer` (See Note [Gradients reduced in
-  // place] in in_place.cpp); from launch to finalize, `grads` are the tensors reduced.
-  bool in_place = false;
+  // This step's path (See Note [Bucket paths]); reduced in place, from launch to
+  // finalize `grads` are the tensors reduced.
+  BucketPath path = BucketPath::kBuffer;
   std::vector<at::Tensor> grads;
-  FuturePtr future;             // completes after post_done (with the buffer, stale if in_place)
+  FuturePtr future;  // completes after post_done (with the buffer, stale if in place)
   int64_t ready_ns = -1;
   int64_t launch_ns = -1;
   std::atomic<int64_t> done_ns{-1};

@@ -45,7 +45,8 @@ class BucketNorms {
       p = norm_type_;
     }
     // In place (See Note [Gradients reduced in place]): the reduced values are the grads.
-    at::Tensor partial = bucket.in_place ? op.call(bucket.grads, p) : op.call({bucket.buffer}, p);
+    at::Tensor partial = in_place(bucket.path) ? op.call(bucket.grads, p)
+                                               : op.call({bucket.buffer}, p);
     std::lock_guard<std::mutex> lock(mutex_);
     if (partials_.size() <= bucket.index) partials_.resize(bucket.index + 1);
     partials_[bucket.index] = Entry{std::move(partial), p};

@@ -103,8 +103,9 @@ void Reducer::wait_bucket(Bucket& bucket) {
 // otherwise grad becomes (or receives) the reduced bucket slot.
 void Reducer::finalize_bucket(Bucket& bucket) {
   if (bucket.skipped) return;  // torch leaves a skipped bucket's grads untouched
-  if (bucket.in_place) return;  // the grads hold the result (See Note [Gradients reduced in place])
-  if (release_grads_) return;  // the hook took the result (See Note [Released gradients])
+  // reduced in place, the grads hold the result; released, the hook took it (See Note
+  // [Bucket paths] in bucket.h)
+  if (bucket.path != BucketPath::kBuffer) return;
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     const size_t index = bucket.params[slot];
     if (usage_.globally_unused(index)) continue;
@@ -211,7 +212,7 @@ std::string Reducer::reduced_in_place_note() const {
   std::ostringstream done, failed;
   for (size_t b = 0; b < next_launch_; ++b) {
     const Bucket& bucket = layout_[b];
-    if (!bucket.in_place || bucket.skipped) continue;
+    if (!in_place(bucket.path) || bucket.skipped) continue;
     std::ostringstream& out = bucket.future && bucket.future->hasError() ? failed : done;
     out << (out.tellp() > 0 ? ", " : "") << b;
   }

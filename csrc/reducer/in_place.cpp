@@ -69,7 +69,7 @@ bool Reducer::grads_share_memory() const {
 // reduced in place and this gradient qualifies); if not, the bucket leaves the in-place
 // path for this step and the caller copies this gradient in.
 bool Reducer::keeps_in_place(Bucket& bucket, size_t slot) {
-  if (!bucket.in_place) return false;
+  if (!in_place(bucket.path)) return false;
   if (qualifies_in_place(bucket, slot)) return true;
   leave_in_place(bucket, slot);
   return false;
@@ -87,7 +87,7 @@ bool Reducer::qualifies_in_place(const Bucket& bucket, size_t slot) const {
 // The bucket goes through its buffer this step: every gradient already marked ready and
 // left in place (all but `except`, which the caller copies) is copied in now.
 void Reducer::leave_in_place(Bucket& bucket, size_t except) {
-  bucket.in_place = false;
+  bucket.path = through_buffer(bucket.path);
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
     if (slot != except && marked_[bucket.params[slot]]) copy_into_bucket(bucket, slot);
   }
@@ -96,7 +96,7 @@ void Reducer::leave_in_place(Bucket& bucket, size_t except) {
 // At launch: the bucket's gradients, in slot order, into bucket.grads, each checked again;
 // one replaced since its hook, or two that share memory, send the bucket back to its buffer.
 bool Reducer::launches_in_place(Bucket& bucket) {
-  if (!bucket.in_place) return false;
+  if (!in_place(bucket.path)) return false;
   bucket.grads.clear();
   bucket.grads.reserve(bucket.params.size());
   bool all = true;

@@ -36,9 +36,12 @@ void Reducer::begin_backward_locked() {
   timing_.begin_step(layout_.device());
   scale_value_ = 1.0 / static_cast<double>(div_factor_);
   scale_ = at::native::wrapped_scalar_tensor(scale_value_);
-  const bool in_place = in_place_allowed() && !grads_share_memory();
+  // See Note [Bucket paths] in bucket.h: each bucket's, once for the step
+  const bool allowed = in_place_allowed() && !grads_share_memory();
   for (auto& bucket : layout_.buckets()) {
-    bucket->in_place = in_place && hook_->reduces_in_place_on(bucket->buffer);
+    const bool here = allowed && hook_->reduces_in_place_on(bucket->buffer);
+    bucket->path = release_grads_ ? (here ? BucketPath::kReleasedInPlace : BucketPath::kReleased)
+                                  : (here ? BucketPath::kInPlace : BucketPath::kBuffer);
   }
   queue_finalize();
   for (size_t index : usage_.unused()) ++layout_.bucket_of(index).unused;
@@ -119,7 +122,8 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   at::Tensor& view = bucket.views[slot];
   at::Tensor& grad = params_[index].mutable_grad();
   const bool divide = divides_in_copy();
-  if (release_grads_) ensure_storage(bucket.buffer);
+  const bool release = releases(bucket.path);
+  if (release) ensure_storage(bucket.buffer);
   if (main_grads_.take(index)) {  // the view holds the local sum (Note [main_grad accumulation])
     if (divide) view.mul_(scale_);
     return;
@@ -158,7 +162,7 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   } else if (!streams(grad) || !stream_copy(view, grad, scale_value_)) {
     at::mul_out(view, grad, scale_);  // See Note [Streaming copies] in stream_copy.cpp
   }
-  if (release_grads_) {
+  if (release) {
     grad = at::Tensor();  // See Note [Released gradients]
   } else if (options_.gradient_as_bucket_view) {
     grad = view;
@@ -207,7 +211,7 @@ void Reducer::flush_batched(Bucket& bucket) {
       grads.push_back(params_[bucket.params[slot]].grad());
     }
     at::_foreach_copy_(views, grads);
-    if (release_grads_) {
+    if (releases(bucket.path)) {
       for (size_t slot : bucket.deferred) params_[bucket.params[slot]].mutable_grad().reset();
     } else if (options_.gradient_as_bucket_view) {
       for (size_t slot : bucket.deferred) {
@@ -257,7 +261,7 @@ void Reducer::launch(Bucket& bucket) {
   // Reduced where they are, a sharded optimizer's gradients go once its hook kept its
   // range (Note [Released gradients]).
   std::vector<at::Tensor> released;
-  if (bucket.in_place && release_grads_) {
+  if (bucket.path == BucketPath::kReleasedInPlace) {
     for (size_t index : bucket.params) released.push_back(params_[index]);
   }
   bucket.future = future->then(
@@ -266,7 +270,7 @@ void Reducer::launch(Bucket& bucket) {
         const c10::IValue& value = parent.value();  // rethrows the collective's error
         target->done_ns.store(now_ns());
         if (stamps) target->done_stamp.store(stamps->stamp());
-        if (!target->in_place) {
+        if (!in_place(target->path)) {
           at::Tensor out = result_tensor(value);
           TORCH_CHECK(out.numel() == target->buffer.numel(),
                       "the bucket's future holds a tensor of ", out.numel(),

@@ -64,7 +64,7 @@ void StepTiming::push(int64_t step_index, int64_t rank, const BucketLayout& layo
     times.ready_ns = bucket->ready_ns;
     times.launch_ns = bucket->launch_ns;
     times.done_ns = bucket->done_ns.load();
-    times.in_place = bucket->in_place;
+    times.in_place = in_place(bucket->path);
     times.ready_stamp = bucket->ready_stamp;
     times.done_stamp = bucket->done_stamp.load();
     step.buckets.push_back(std::move(times));
