@@ -14,8 +14,9 @@ parameters. Its gradients cost what the DDP's do.
 release_gradients=True (ZeRO-2) is the opt-in of less memory: each bucket is
 reduce-scattered and released (Note [Sharding on the reducer] in binding.py), so
 param.grad is None after a synchronized backward; torch's clip_grad_norm_ then clips
-nothing and torch's GradScaler finds no gradients (it raises). Clip with the DDP's, pycomm's or this optimizer's
-clip_grad_norm_ and scale with pycomm.ShardedGradScaler, which read the shards.
+nothing and torch's GradScaler finds no gradients (it raises). Clip with the DDP's,
+pycomm's or this optimizer's clip_grad_norm_ and scale with pycomm.ShardedGradScaler,
+which read the shards.
 
 Without a pycomm DDP (gradients already averaged in param.grad, e.g. by torch's DDP) it
 does what torch's ZeroRedundancyOptimizer does, on flat shards: step its pieces, all-gather
