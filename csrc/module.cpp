@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "comm/c10d.h"
+#include "comm/shard_split.h"
 #include "reducer/bind.h"
 #include "shm/bind.h"
 
@@ -27,6 +28,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_allreduce_", &pycomm::allreduce_, pybind11::arg("process_group"), pybind11::arg("tensor"),
         pybind11::arg("op") = "sum",
         "All-reduce `tensor` in place from C++ on a torch.distributed ProcessGroup and wait.");
+  m.def(
+      "shard_split",
+      [](int64_t n, int64_t world) {
+        const auto split = pycomm::comm::shard_split(n, world);
+        return pybind11::make_tuple(split.range, split.tail);
+      },
+      pybind11::arg("n"), pybind11::arg("world"),
+      "(range, tail): n elements cut over `world` ranks (See Note [Equal ranges and a tail] "
+      "in csrc/comm/shard_split.h).");
   pycomm::bind_reducer(m);
   pycomm::bind_clip(m);
   pycomm::bind_shm(m);

@@ -3,6 +3,7 @@
 // buffer, and a bucket reduced where its gradients are, each with the reducer's label.
 #include <c10/util/Exception.h>
 
+#include "comm/shard_split.h"
 #include "shm/backend.h"
 #include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
@@ -70,7 +71,8 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_pieces(std::vector<at:
   const c10::ScalarType dtype = check_pieces(op, tensors);
   int64_t n = 0;
   for (const auto& t : tensors) n += t.numel();
-  const int64_t s = n / size_, tail = n - s * size_;
+  const comm::ShardSplit split = comm::shard_split(n, size_);  // Note [Equal ranges and a tail]
+  const int64_t s = split.range, tail = split.tail;
   check_dense(op, out);
   TORCH_CHECK_VALUE(out.scalar_type() == dtype && out.numel() == s + tail && out.is_contiguous(),
                     "pycomm ", op, ": the output must be a contiguous ", dtype, " tensor of ",

@@ -43,7 +43,7 @@ class FlatShards:
                 self._flat.append(flat)
         state = getattr(self, "_hook_state", None)
         if state is not None:  # shards the hook kept for buckets that are gone
-            sizes = {s.index: s.numel - (s.world - 1) * s.shard for s in self._shards}
+            sizes = {s.index: s.kept for s in self._shards}
             for index in [i for i, t in state.grads.items() if sizes.get(i) != t.numel()]:
                 del state.grads[index]
         self._pieces: list[tuple[BucketShard, Piece, torch.Tensor]] = []

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .layout import split
+
 # torch 2.13 renamed the tensor form (the old name warns); torch 2.11 has only the old one.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -84,7 +86,8 @@ def _kept(state: HookState, index: int, buf: torch.Tensor) -> tuple[torch.Tensor
     """What the rank keeps of bucket `index` (buffer `buf`): its range and the tail, back to
     back, reused from step to step; and whether this backward's sums add to it (it holds
     an earlier synchronized backward's since the optimizer's zero_grad)."""
-    mine = buf.numel() - (state.world - 1) * (buf.numel() // state.world)
+    s, tail = split(buf.numel(), state.world)
+    mine = s + tail
     out = state.grads.get(index)
     if out is None or out.numel() != mine or out.dtype != buf.dtype:
         out = state.grads[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
@@ -100,7 +103,7 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     zero_grad, as param.grad accumulates over several synchronized backwards)."""
     buf = bucket.buffer()
     world, rank, group = state.world, state.rank, state.group
-    s = buf.numel() // world
+    s, _ = split(buf.numel(), world)
     index = bucket.index()
     if not state.final:  # See Note [The first step's buckets] in binding.py
         members = [(state.index[id(p)], p.numel()) for p in bucket.parameters()]

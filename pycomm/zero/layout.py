@@ -4,7 +4,9 @@ pycomm.ZeroRedundancyOptimizer. Pure arithmetic over bucket layouts; no process 
 Note [Flat shards of a bucket]
 Each bucket (the reducer's, or one of ours when no pycomm DDP reduces the gradients) is a
 flat run of N elements: its parameters back to back in slot order. With W ranks it is cut
-in W equal ranges of S = N // W elements: rank r owns [r*S, (r+1)*S), which the bucket's
+in W equal ranges of S = N // W elements and a tail (split: Note [Equal ranges and a tail]
+in csrc/comm/shard_split.h, the rule the pieces reduce-scatter cuts by too): rank r owns
+[r*S, (r+1)*S), which the bucket's
 reduce-scatter leaves reduced on it and whose updated values its all-gather sends to every
 rank. The last N - W*S (< W) elements, the tail, belong to the last rank
 (BucketShard.tail_owner). So every element has exactly one owner, which steps it, holds its
@@ -49,7 +51,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _C
+
 STEP_BLOCK = 1 << 16  # elements (See Note [Stepping in cache-sized blocks])
+
+
+def split(n: int, world: int) -> tuple[int, int]:
+    """(S, tail): n elements cut over `world` ranks (See Note [Equal ranges and a tail] in
+    csrc/comm/shard_split.h, which owns the rule)."""
+    return _C.shard_split(n, world)
 
 
 @dataclass(frozen=True)
@@ -77,11 +87,17 @@ class BucketShard:
     world: int
     rank: int
     pieces: list[Piece] = field(default_factory=list)  # this rank's: range (then the tail)
+    shard: int = field(init=False)  # S: elements of each rank's range
+    tail_numel: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shard, self.tail_numel = split(self.numel, self.world)
 
     @property
-    def shard(self) -> int:
-        """S: elements of each rank's range."""
-        return self.numel // self.world
+    def kept(self) -> int:
+        """Elements of the gradients a rank keeps with released gradients: its range and
+        the tail, back to back (hook.py's HookState.grads)."""
+        return self.shard + self.tail_numel
 
     @property
     def mine(self) -> tuple[int, int]:
