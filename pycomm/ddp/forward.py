@@ -70,8 +70,16 @@ class ForwardSync:
         order, groups = seen.cpu().tolist()
         assignment = _C.assign_buckets(self.params, order, self.config.bucket_byte_limits(),
                                        groups)
+        # param.main_grad holds the last synchronized backward's average until the next
+        # backward, across the re-cut too: a step between the two (a sharded optimizer's,
+        # which re-cuts first) reads it
+        kept = [(p, p.main_grad.clone()) for p in self.params if hasattr(p, "main_grad")] \
+            if self.config.grad_reduce_dtype is not None else []
         self.reducer.rebuild_buckets(assignment)
         self.set_main_grads()
+        with torch.no_grad():
+            for p, value in kept:
+                p.main_grad.copy_(value)
         return True
 
     def sync_buffers(self, authoritative: bool, join_enabled: bool) -> None:

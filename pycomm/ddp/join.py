@@ -10,7 +10,7 @@ imports nothing of the module itself."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,12 +28,12 @@ class JoinFlags(Protocol):
     sharder: Any
 
 
-def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
+def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool, hand_over: bool) -> None:
     """The collectives of one synchronized backward, with zero gradients, in bucket order
     (see Note [Bucket order] in csrc/reducer/launch.cpp), preceded by the non-finite flag
     all-reduce of local clipping (Note [Non-finite local norm] in csrc/reducer/local_clip.cpp)
     and, on a Gloo group, the step's label exchange (Note [Step labels over the group] in
-    csrc/comm/step_label.cpp)."""
+    csrc/comm/step_label.cpp). With `hand_over`, the averages go to param.grad (_hand_over)."""
     group, reducer = sync.gradient_group, sync.reducer
     if nonfinite_flag:
         flags = torch.zeros(dist.get_world_size(group), dtype=torch.float32,
@@ -47,29 +47,44 @@ def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool) -> None:
     buckets = reducer.zeros_like_grad_buckets()
     if sync.comm_hook is None:
         pending += [dist.all_reduce(b.buffer(), group=group, async_op=True) for b in buckets]
+        results = [b.buffer() for b in buckets]
     else:
         state, hook = sync.comm_hook
         pending += [hook(state, b) for b in buckets]
-    for p in pending:
-        p.wait()
-    if sync.comm_hook is None:
-        _hand_over(buckets)
+        results = None
+    reduced = [p.wait() for p in pending]
+    if results is None:  # a hook's futures hold the reduced buckets (torch's protocol)
+        results = [r[0] if isinstance(r, list) else r for r in reduced[len(reduced) -
+                                                                       len(buckets):]]
     used = None
     if reducer.tracks_usage():  # exactly when the running ranks reduce usage this step
         used = torch.zeros(len(sync.params), dtype=torch.int32, device=sync.device)
         dist.all_reduce(used, group=group)
     reducer.note_shadowed_step(used)
+    if hand_over:
+        _hand_over(sync, buckets, results, used)
 
 
-def _hand_over(buckets: list) -> None:
+def _hand_over(sync: ForwardSync, buckets: list, results: list,
+               used: Optional[torch.Tensor]) -> None:
     """The joined rank's param.grad gets the average the running ranks reduced (its own
-    share zeros), as if it had run the backward: what an optimizer that shadows the step
-    steps (ZeroRedundancyOptimizer's join hook, whose shard must stay current). torch's
+    share zeros), as if it had run the backward: what a sharded optimizer keeping
+    torch's contract steps in its shadow of the step (ZeroRedundancyOptimizer's join
+    hook: its shard must stay current), which then drops it. A parameter no rank used, or
+    one that no longer requires a gradient, gets none, as on the running ranks. torch's
     DDP leaves a joined rank's param.grad as it was."""
+    index = {id(p): i for i, p in enumerate(sync.params)}
     with torch.no_grad():
-        for bucket in buckets:
-            for p, grad in zip(bucket.parameters(), bucket.gradients()):
-                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)
+        for bucket, result in zip(buckets, results):
+            at = 0
+            for p in bucket.parameters():
+                n = p.numel()
+                grad = result.reshape(-1)[at:at + n].view(p.shape)
+                at += n
+                unused = used is not None and int(used[index[id(p)]]) == 0
+                if unused or not p.requires_grad:
+                    continue
+                p.grad = grad.clone() if grad.dtype == p.dtype else grad.to(p.dtype)
 
 
 class DDPJoinHook(JoinHook):
@@ -87,7 +102,9 @@ class DDPJoinHook(JoinHook):
         should_sync = sync.requires_sync(this_rank=False)
         flags.require_forward_param_sync = should_sync
         if should_sync:
-            _shadow_backward(sync, flags.config.local_clip_error_if_nonfinite)
+            sharder = flags.sharder  # See _hand_over
+            _shadow_backward(sync, flags.config.local_clip_error_if_nonfinite,
+                             hand_over=sharder is not None and not sharder.grads_in_shards)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Every rank ends with the model of the last rank to join."""
