@@ -45,8 +45,9 @@ registered: the DDP reduces as it does unsharded, param.grad keeps the gradients
 the step reads its pieces out of param.grad, as after no_sync (_grad_runs); the
 parameters are still views of the flat buffers, and nothing is all-gathered. The DDP's
 one bucket re-cut is run by the first step that finds it due, before any state exists,
-as with the hook (_follow_buckets). With grad_reduce_dtype the hook stays: the step needs
-the wide bucket, which param.grad holds only rounded to the parameter's dtype.
+as with the hook (_follow_buckets). Released, with grad_reduce_dtype the hook stays: the
+step needs the wide bucket, which param.grad holds only rounded to the parameter's
+dtype (kept, it reads param.main_grad under main_grad_only).
 
 Released on several ranks, param.grad after a synchronized backward is None (with
 grad_reduce_dtype, whose buckets are kept: the bucket as copied by the DDP, averaged on
@@ -272,15 +273,7 @@ class DDPBinding:
                 return
         state = self._hook_state
         if not state.final and not self._hooked:  # the re-cut, once it is due
-            # it drops param.main_grad's averages (a DDP re-cuts before the next forward,
-            # after the step): this step reads them from a copy
-            wide = self._ddp.config.grad_reduce_dtype is not None
-            saved = {i: g.reshape(-1).clone() for i, g in enumerate(
-                map(self._ddp.synced_grad, self._params)) if g is not None} \
-                if wide and self._ddp.reducer.should_rebuild_buckets() else None
             state.final = self._ddp.rebuild_buckets_if_due()
-            if state.final and saved is not None:
-                self._first_grads = saved
         elif not state.final and state.first:
             self._ddp.rebuild_buckets_if_due()
             self._first_grads, state.first, state.final = state.first, {}, True
@@ -305,8 +298,11 @@ class DDPBinding:
             return
         ddp = self._find_ddp()  # every parameter the one DDP's, or a named error
         whole = self._whole_states() if self._holds_state else None
+        by_param = {} if whole is None else {id(self._params[i]): s for i, s in whole.items()}
         rebuilt = ddp.rebuild_buckets_if_due()
-        self._bind(ddp)
+        self._bind(ddp)  # the DDP's order from here: the states follow their parameters
+        if whole is not None:
+            whole = {self._index[k]: s for k, s in by_param.items() if k in self._index}
         self._relayout(whole)
         self._attach(ddp)
         if rebuilt:  # See Note [The first step's buckets]: no re-cut is still to come

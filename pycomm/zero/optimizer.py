@@ -205,8 +205,9 @@ class ZeroRedundancyOptimizer(DDPBinding, FlatShards, ShardedStateDicts, Optimiz
         _unscale_grads_ does. Without a pycomm DDP the gradients are whole in param.grad,
         and all of them are unscaled, as torch's scaler does. Collective."""
         self._follow_buckets()  # adopts a DDP that took the parameters since construction
-        if not self.grads_in_shards:
-            runs = [p.grad for p in self._all_params if p.grad is not None]
+        if not self.grads_in_shards:  # what the step reads: param.grad (or main_grad)
+            grad_of = (lambda p: p.grad) if self._ddp is None else self._ddp.synced_grad
+            runs = [g for g in map(grad_of, self._all_params) if g is not None]
         else:
             runs = [r for r in self._grad_runs() if r is not None]
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -234,7 +235,11 @@ class ZeroRedundancyOptimizer(DDPBinding, FlatShards, ShardedStateDicts, Optimiz
             self.wait_for_params()
             self._follow_buckets()
         super().add_param_group(param_group)
-        _refuse_sparse(self.param_groups[-1:], len(self.param_groups) - 1)
+        try:
+            _refuse_sparse(self.param_groups[-1:], len(self.param_groups) - 1)
+        except ValueError:
+            self.param_groups.pop()  # the refused group is not kept
+            raise
         if not constructed:
             return
         added = self.param_groups[-1]["params"]
@@ -288,15 +293,18 @@ def _drain(pending: dict[int, Any]) -> None:
 
 
 class _ZeroJoinHook(JoinHook):
-    """A joined rank's shadow of step(), after the DDP's shadow of the backward: that
-    reduce-scattered its zero buckets, so this rank kept the others' averaged gradients of
-    its range, which it steps and all-gathers as they do (its shard must stay current)."""
+    """A joined rank's shadow of step(), after the DDP's shadow of the backward, which
+    left this rank the others' averaged gradients (in param.grad: the DDP's hand-over;
+    released, in its kept range): it steps and all-gathers them as they do (its shard
+    must stay current), then drops them, so that nothing stale is left in param.grad when
+    the join ends."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero
 
     def main_hook(self) -> None:
         self.zero.step()
+        self.zero.zero_grad()
 
 
 __all__ = ["ZeroRedundancyOptimizer"]

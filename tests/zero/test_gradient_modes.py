@@ -116,3 +116,100 @@ def _what_param_grad_holds(rank, world_size):
 
 def test_param_grad_in_each_mode():
     run_ranks(_what_param_grad_holds, 2)
+
+
+def _first_step_reads_what_the_user_left(rank, world_size):
+    """bf16 parameters, fp32 main_grad: the first step runs the DDP's bucket re-cut, and
+    steps the gradients as the user left them after the backward (a clip or unscale
+    in between counts), in param.grad or, with main_grad_only, in param.main_grad. SGD at
+    lr 1 on fp32 main parameters: each parameter moves by exactly its gradient."""
+    for main_grad_only in (False, True):
+        for wrapped_after in (False, True):
+            base = build("mlp").to(torch.bfloat16)
+            cfg = pycomm.DDPConfig(bucket_cap_mb=5e-4, grad_reduce_dtype=torch.float32,
+                                   main_grad_only=main_grad_only)
+            bare = copy.deepcopy(base)
+            if wrapped_after:  # See Note [Wrapped after the optimizer] in binding.py
+                zero = pycomm.ZeroRedundancyOptimizer(bare.parameters(), torch.optim.SGD, lr=1.0)
+                ddp = pycomm.DistributedDataParallel(bare, config=cfg)
+            else:
+                ddp = pycomm.DistributedDataParallel(bare, config=cfg)
+                zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=1.0)
+            before = [p.detach().float().clone() for p in ddp.parameters()]
+            loss_of(ddp(make_input("mlp", rank, 0).to(torch.bfloat16))).float().backward()
+            grads = [p.main_grad if main_grad_only else p.grad for p in ddp.parameters()]
+            assert all(g is not None for g in grads)
+            with torch.no_grad():
+                for g in grads:
+                    g.mul_(0.5)  # a clip the step must see
+            want = [(b - g.float()).to(torch.bfloat16) for b, g in zip(before, grads)]
+            zero.step()
+            zero.wait_for_params()
+            how = f"main_grad_only={main_grad_only} wrapped_after={wrapped_after}"
+            assert not ddp.reducer.should_rebuild_buckets(), how
+            for (name, p), w in zip(ddp.module.named_parameters(), want):
+                off = (p.float() - w.float()).abs().max()
+                assert torch.equal(p, w), f"{how}: {name} off by {off}"
+
+
+def test_first_step_steps_the_gradients_the_user_left():
+    run_ranks(_first_step_reads_what_the_user_left, 2)
+
+
+def _unscale_reads_main_grad(rank, world_size):
+    """With main_grad_only param.grad is None and the step reads param.main_grad: that is
+    what the scaler unscales (and checks)."""
+    base = build("mlp").to(torch.bfloat16)
+    cfg = pycomm.DDPConfig(grad_reduce_dtype=torch.float32, main_grad_only=True)
+    ddp = pycomm.DistributedDataParallel(base, config=cfg)
+    zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.AdamW, lr=1e-2)
+    scaler = pycomm.ShardedGradScaler("cpu", init_scale=2.0 ** 8)
+    scaler.scale(loss_of(ddp(make_input("mlp", rank, 0).to(torch.bfloat16))).float()).backward()
+    scaled = [p.main_grad.clone() for p in ddp.parameters()]
+    scaler.unscale_(zero)
+    for p, s in zip(ddp.parameters(), scaled):
+        assert p.grad is None
+        torch.testing.assert_close(p.main_grad, s / 2.0 ** 8, rtol=0, atol=0)
+    scaler.step(zero)
+    scaler.update()
+    assert scaler.get_scale() == 2.0 ** 8
+
+
+def test_the_scaler_unscales_main_grad_with_main_grad_only():
+    run_ranks(_unscale_reads_main_grad, 2)
+
+
+def _state_loaded_before_wrapping(rank, world_size):
+    """A checkpoint loaded into the optimizer before the module is wrapped (a trainer's
+    resume order), with two groups whose order is not the DDP's: each state reaches its own
+    parameter when the optimizer moves onto the DDP, so training resumes as an unsharded
+    AdamW loaded the same way."""
+    base = build("mlp")
+    ref = copy.deepcopy(base)
+    groups = lambda m: [{"params": [p for p in m.parameters() if p.dim() <= 1],  # noqa: E731
+                         "weight_decay": 0.0},
+                        {"params": [p for p in m.parameters() if p.dim() > 1],
+                         "weight_decay": 0.1}]
+    warm = torch.optim.AdamW(groups(ref), lr=1e-2)
+    loss_of(ref(make_input("mlp", 0, 99))).backward()
+    warm.step()
+    saved = copy.deepcopy(warm.state_dict())
+    plain_module = pycomm.DistributedDataParallel(copy.deepcopy(ref))
+    plain = torch.optim.AdamW(groups(plain_module), lr=1e-2)
+    plain.load_state_dict(copy.deepcopy(saved))
+    bare = copy.deepcopy(ref)
+    zero = pycomm.ZeroRedundancyOptimizer(groups(bare), torch.optim.AdamW, lr=1e-2)
+    zero.load_state_dict(copy.deepcopy(saved))
+    sharded = pycomm.DistributedDataParallel(bare)
+    for step in range(3):
+        for m, opt in ((sharded, zero), (plain_module, plain)):
+            opt.zero_grad()
+            loss_of(m(make_input("mlp", rank, step))).backward()
+            opt.step()
+    zero.wait_for_params()
+    for (name, p), q in zip(sharded.module.named_parameters(), plain_module.module.parameters()):
+        assert torch.equal(p, q), f"{name} off by {(p - q).abs().max()}"
+
+
+def test_state_loaded_before_wrapping_follows_its_parameters():
+    run_ranks(_state_loaded_before_wrapping, 2)

@@ -358,6 +358,8 @@ def _uneven(rank, world_size):
                if sharded else torch.optim.AdamW(ddp.parameters(), lr=1e-2))
         with Join([ddp, opt] if sharded else [ddp]):
             _train(ddp, opt, rank, steps)
+        if sharded and rank == 1:  # its shadow steps drop what the DDP's shadow handed over
+            assert all(p.grad is None for p in ddp.parameters()), "a stale average is left"
         results.append([p.detach().clone() for p in ddp.parameters()])
     if rank == 0:
         for p, q in zip(*results):
