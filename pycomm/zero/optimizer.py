@@ -165,18 +165,22 @@ class ZeroRedundancyOptimizer(DDPBinding, FlatShards, ShardedStateDicts, Optimiz
                         error_if_nonfinite: bool = False,
                         parameters: Optional[Iterable[torch.Tensor]] = None) -> torch.Tensor:
         """Clip the averaged gradients by their global norm, as torch.nn.utils.
-        clip_grad_norm_ over the whole model would: each rank's norm partial of the runs it
-        owns, one all-reduce, the pieces scaled (Note [Clipping from partials] in
-        pycomm/clip.py). Inside the
-        DDP's no_sync (local gradients in param.grad, nothing reduced) it clips param.grad
-        as pycomm.clip_grad_norm_ does. `parameters` (default: all it shards) restricts the
-        norm and the scaling to those, as torch's clip of a subset does. Collective."""
+        clip_grad_norm_ over the whole model would. Where they are whole in param.grad (the
+        default: Note [Two gradient modes]) they are clipped there, by the DDP's clip or as
+        pycomm.clip_grad_norm_ does; released, from the shards: each rank's norm partial of
+        the runs it owns, one all-reduce, the pieces scaled (Note [Clipping from partials]
+        in pycomm/clip.py). Inside the DDP's no_sync (local gradients in param.grad,
+        nothing reduced) it clips param.grad as pycomm.clip_grad_norm_ does. `parameters`
+        (default: all it shards) restricts the norm and the scaling to those, as torch's
+        clip of a subset does. Collective."""
         if self._ddp is None:
             self._adopt_ddp()  # See Note [Wrapped after the optimizer]: before the indices
         chosen = None if parameters is None else {
             self._index[id(p)] for p in parameters if id(p) in self._index}
-        if self._ddp is not None and not self._ddp.require_backward_grad_sync:
-            local = self._params if chosen is None else [self._params[i] for i in chosen]
+        if self._ddp is not None and chosen is None and not self.grads_in_shards:
+            return self._ddp.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        if not self.grads_in_shards or not self._ddp.require_backward_grad_sync:
+            local = self._params if chosen is None else [self._params[i] for i in sorted(chosen)]
             return _C._clip_grad_norm_(local, float(max_norm), float(norm_type),
                                        bool(error_if_nonfinite))
         self._follow_buckets()

@@ -101,6 +101,17 @@ def _what_param_grad_holds(rank, world_size):
                 assert p.grad is None, name
             else:
                 assert torch.equal(p.grad, q.grad), name
+        if not release:  # its own clip clips param.grad whole, as torch's does
+            twin = copy.deepcopy(ref.module)  # torch's clip on torch's DDP's gradients
+            for q, t in zip(ref.module.parameters(), twin.parameters()):
+                t.grad = q.grad.clone()
+            want_norm = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.01)
+            want = [t.grad for t in twin.parameters()]
+            got_norm = zero.clip_grad_norm_(0.01)
+            torch.testing.assert_close(got_norm, want_norm, rtol=1e-6, atol=0)
+            for (name, p), w in zip(ddp.module.named_parameters(), want):
+                torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-9,
+                                           msg=lambda m, n=name: f"{n}: {m}")
         grads = [None if p.grad is None else p.grad.clone() for p in ddp.parameters()]
         zero.step()
         for p, g in zip(ddp.parameters(), grads):
