@@ -1,16 +1,33 @@
 // pycomm::adam_step_ on CPU: torch's for-loop Adam / AdamW (decoupled weight decay) over a
 // list of float32 tensors, in one pass over memory per block.
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/sqrt.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
 #include <vector>
 
 #include "grad/cpu_pieces.h"
 #include "grad/grad_math.h"
+
+// MKL's vector square root, as libtorch_cpu exports it on builds that link MKL (null where
+// it does not: a weak reference). Declared with a 64-bit count: an LP64 MKL reads its low
+// 32 bits, an ILP64 one all 64, and every count passed here is small.
+#if defined(__GNUC__) && defined(__x86_64__)
+extern "C" void vmsSqrt(int64_t n, const float* a, float* r, int64_t mode) __attribute__((weak));
+// MKL's C entry for its per-thread thread count (mkl_service.h maps the lower-case name,
+// which libtorch_cpu exports as the Fortran entry taking a pointer, onto this one).
+extern "C" int MKL_Set_Num_Threads_Local(int n) __attribute__((weak));
+#define PYCOMM_MKL_SQRT_SYMBOL
+#endif
 
 namespace pycomm {
 namespace {
@@ -21,19 +38,19 @@ namespace {
 // dispatch: on a 25M-parameter model at 2 ranks, a rank's step of its 12.6M elements took
 // 58 ms in the training step where its compulsory traffic (param, grad and both moments
 // read; param and moments written: 28 bytes an element) takes 27 ms at this core's 13 GB/s.
-// This kernel makes the same operations per block of kBlock elements, the block staying in
-// the core's cache between them:
+// This kernel makes the same operations per chunk of elements, the chunk staying in the
+// core's cache between them (Note [Adam in chunks, two at a time]):
 //   param *= 1 - lr * wd                      (when wd != 0)
 //   exp_avg = lerp(exp_avg, grad, 1 - beta1)  (torch's lerp: one fused multiply-add)
 //   exp_avg_sq = exp_avg_sq * beta2, then += (1 - beta2) * grad * grad  (fused)
-//   root = torch.sqrt(exp_avg_sq)             (torch's own kernel, on the block)
+//   root = torch.sqrt(exp_avg_sq)             (the square root torch's kernel takes)
 //   param += -step_size * exp_avg / (root / (1 - beta2^step)^0.5 + eps)
 // Every scalar is computed in double as torch's Python computes it (its ** is libm's pow,
 // as std::pow is here), then rounded to float
 // where ATen's kernels round it; every tensor operation rounds as ATen's float kernel does,
 // including where its compiled vector loop fuses a multiply-add. The square root is
-// ATen's own call on the block: on x86 ATen takes it from MKL's vector math, which is not
-// correctly rounded (std::sqrt differs in ~0.7% of elements), so no other sqrt would do.
+// ATen's: on x86 ATen takes it from MKL's vector math, which is not correctly rounded
+// (std::sqrt differs in ~0.7% of elements), so no other sqrt would do.
 // The result is torch's bits, element for element, on the builds checked; an ATen built
 // otherwise would not fail loudly, so pycomm/zero/adam_step.py first steps a probe both
 // ways and uses this kernel only where the two agree bitwise.
@@ -44,20 +61,124 @@ namespace {
 // exp_avg_sq is exactly zero wherever every gradient so far was (a ReLU unit that never
 // fired, an embedding row never looked up), and there torch's own step slows alike: on
 // the bench MLP, this kernel took 39 ms in the training step against 23 ms on random
-// data. sqrt(+0) is +0 in every implementation, so the first pass hands the square root a
-// one where exp_avg_sq is zero and the second pass puts the zero back: the same bits,
+// data. sqrt(+0) is +0 in every implementation, so the moments hand the square root a
+// one where exp_avg_sq is zero and the update puts the zero back: the same bits,
 // without the slow path (24 ms in the step). exp_avg_sq is never -0 (it starts at +0 and
 // adds squares); were it, torch's denominator -0 / c + eps is eps all the same.
-constexpr int64_t kBlock = 1 << 15;  // elements: 5 float arrays of a block fit a 2 MiB L2
+//
+// Note [Adam in chunks, two at a time]
+// Taking the square root as ATen's call on a block of 32 Ki elements between two passes
+// over it left the step at 15 GB/s (16M elements, one thread: 31 ms; torch's fused=True,
+// whose square root is not torch's for-loop's, 20.6 ms). Timed alone on this machine's
+// Xeon: the moments' pass over memory 19.7 ms, the ATen square roots 3.8 ms, the update's
+// pass over the block in L2 7 ms, all of it spent in two divisions per element. The
+// divisions and the memory traffic ran one after the other. So the step now goes through
+// chunks, and one loop both updates chunk k and makes the moments of chunk k + 1: the
+// divider and the memory work at once. The moments no longer read or write param (its
+// decay is applied in the update, from the same param: the same bits). Where MKL's vector
+// square root is exported (the symbol ATen's own sqrt kernel calls, with ATen's mode:
+// AdamRoute::kMkl), it is called directly on chunks of kChunk elements in L1, with no
+// dispatch per call: 16M elements take 23 ms, 1M 0.8 ms (fused: 20.6 and 0.84). Elsewhere
+// ATen's call stays, on chunks of a block (AdamRoute::kAten). The direct call is used only
+// after it gave ATen's bits on a sample (mkl_root_check), and the probe of
+// pycomm/zero/adam_step.py still compares whole steps.
+constexpr int64_t kBlock = 1 << 15;  // elements per parallel unit, and the ATen route's chunk
+constexpr int64_t kChunk = 512;      // the MKL route's chunk: 5 x 2 KiB stay in L1
+// What ATen's vml.h passes MKL: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.
+constexpr int64_t kVmlMode = 0x2 | 0x140000 | 0x100;
 
 // Blocks per parallel task: work under 2M elements stays on the calling thread (See the
 // grain note of grad_cpu.cpp's list ops).
-constexpr int64_t kGrainBlocks = 64;
+constexpr int64_t kGrainBlocks = 8;
 
 struct Block {
   size_t tensor;
   int64_t offset, size;
 };
+
+enum class AdamRoute { kMkl, kAten };
+
+void aten_root(float* x, int64_t n, void* /*context*/) {
+  at::Tensor t = at::from_blob(x, {n}, at::TensorOptions().dtype(at::kFloat));
+  at::sqrt_out(t, t);  // torch's own square root
+}
+
+#ifdef PYCOMM_MKL_SQRT_SYMBOL
+void mkl_root(float* x, int64_t n, void* /*context*/) { vmsSqrt(n, x, x, kVmlMode); }
+#endif
+
+// Note [MKL on the calling thread]
+// Called outside a parallel region (a task of one thread, or one thread in all), MKL may
+// split a call over threads of its own. That costs each call their start (1M elements at 2
+// torch threads: 4.6 ms against 0.8 ms on one), and on torch 2.13's CPU wheel it changes
+// the bits: in about a quarter of fresh processes at 2 threads, torch.sqrt of 4099 floats
+// of which 1024 are zeros came back with the second half's square roots ~1e-4 off (a zero,
+// an infinity or a nan in the input, and MKL's second thread computes the rest otherwise).
+// torch's own for-loop Adam meets that where it takes sqrt of an exp_avg_sq with zeros;
+// this kernel never does: the zeros are kept out (Note [Zeros around the square root]) and
+// MKL is held to the calling thread while the step runs, by MKL's per-thread setting, put
+// back after.
+class OnThisThread {
+ public:
+  OnThisThread() {
+#ifdef PYCOMM_MKL_SQRT_SYMBOL
+    if (MKL_Set_Num_Threads_Local != nullptr) before_ = MKL_Set_Num_Threads_Local(1);
+#endif
+  }
+  ~OnThisThread() {
+#ifdef PYCOMM_MKL_SQRT_SYMBOL
+    if (before_ >= 0) MKL_Set_Num_Threads_Local(before_);
+#endif
+  }
+  OnThisThread(const OnThisThread&) = delete;
+  OnThisThread& operator=(const OnThisThread&) = delete;
+
+ private:
+  int before_ = -1;
+};
+
+// Why MKL's square root cannot be called directly here ("" when it can): the symbol, and
+// the same bits as ATen's sqrt on a sample of magnitudes from the smallest normal to 1e22
+// (what the kernel hands it: no zeros, Note [Zeros around the square root]), in chunks of
+// many remainders, MKL on this thread alone for both (Note [MKL on the calling thread]).
+std::string mkl_root_check() {
+#ifdef PYCOMM_MKL_SQRT_SYMBOL
+  if (!at::hasMKL()) return "this torch is built without MKL";
+  if (vmsSqrt == nullptr) return "this torch does not export MKL's vmsSqrt";
+  constexpr int64_t n = 4 * kChunk + 37;
+  at::Tensor x = at::empty({n}, at::TensorOptions().dtype(at::kFloat));
+  float* data = x.mutable_data_ptr<float>();
+  uint32_t bits = 12345;
+  for (int64_t i = 0; i < n; ++i) {
+    bits = bits * 1664525u + 1013904223u;  // a fixed sequence of exponents and mantissas
+    uint32_t word = (bits >> 9) | (((bits >> 24) % 200 + 1) << 23);
+    std::memcpy(data + i, &word, sizeof(word));
+  }
+  const OnThisThread mkl_here;
+  at::Tensor theirs = at::sqrt(x);
+  at::Tensor ours = x.clone();
+  for (int64_t at = 0, c = 1; at < n; at += c, c = c % kChunk + 7)
+    mkl_root(ours.mutable_data_ptr<float>() + at, std::min(c, n - at), nullptr);
+  if (std::memcmp(theirs.const_data_ptr<float>(), ours.const_data_ptr<float>(), n * 4) != 0)
+    return "MKL's vmsSqrt called directly differs from at::sqrt in this build";
+  return "";
+#else
+  return "MKL's vmsSqrt is looked for on x86-64 only";
+#endif
+}
+
+const std::string& mkl_root_refusal() {
+  static const std::string why = mkl_root_check();
+  return why;
+}
+
+// The route the step takes: kMkl where mkl_root_refusal() is empty, else kAten; the tests
+// of both set it (adam_route).
+std::atomic<int>& route_setting() {
+  static std::atomic<int> route{
+      static_cast<int>(mkl_root_refusal().empty() ? AdamRoute::kMkl : AdamRoute::kAten)};
+  return route;
+}
 
 // The scalars of tensor i's step number `step`, hyper its row of the op's hyper.
 AdamScalars adam_scalars(const double* hyper, double step, size_t i) {
@@ -142,27 +263,54 @@ void adam_step_cpu_(at::TensorList params, at::TensorList grads, at::TensorList 
       blocks.push_back({i, off, std::min(kBlock, params[i].numel() - off)});
   }
   const CpuPieces& pieces = cpu_pieces();
-  const auto options = at::TensorOptions().dtype(at::kFloat);
-  // Each task's own buffer for the square roots of its blocks.
+  AdamRoot root{&aten_root, nullptr, kBlock, nullptr};
+#ifdef PYCOMM_MKL_SQRT_SYMBOL
+  if (static_cast<AdamRoute>(route_setting().load()) == AdamRoute::kMkl)
+    root = AdamRoot{&mkl_root, nullptr, kChunk, nullptr};
+#endif
+  // A task's blocks, consecutive blocks of one tensor as one span; each task its own
+  // buffers for the square roots.
   const auto run = [&](int64_t lo, int64_t hi) {
-    at::Tensor root = at::empty({kBlock}, options);
-    float* r = root.mutable_data_ptr<float>();
-    for (int64_t b = lo; b < hi; ++b) {
-      const Block& k = blocks[static_cast<size_t>(b)];
-      const AdamScalars& s = scalars[k.tensor];
-      float* pk = p[k.tensor] + k.offset;
-      float* mk = m[k.tensor] + k.offset;
-      float* vk = v[k.tensor] + k.offset;
-      pieces.adam_moments(pk, g[k.tensor] + k.offset, mk, vk, r, k.size, s);
-      at::Tensor in = root.narrow(0, 0, k.size);
-      at::sqrt_out(in, in);  // torch's own square root
-      pieces.adam_update(pk, mk, vk, r, k.size, s);
+    std::vector<float> buffers(2 * static_cast<size_t>(root.chunk));
+    const OnThisThread mkl_here;  // either route's square roots are MKL's
+    AdamRoot mine = root;
+    mine.buffers = buffers.data();
+    for (int64_t b = lo; b < hi;) {
+      const Block& first = blocks[static_cast<size_t>(b)];
+      int64_t size = 0;
+      for (; b < hi && blocks[static_cast<size_t>(b)].tensor == first.tensor; ++b)
+        size += blocks[static_cast<size_t>(b)].size;
+      const size_t i = first.tensor;
+      pieces.adam_span(p[i] + first.offset, g[i] + first.offset, m[i] + first.offset,
+                       v[i] + first.offset, size, scalars[i], mine);
     }
   };
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), kGrainBlocks, run);
 }
 
 }  // namespace
+
+// pycomm._C._adam_route(want) (clip_bind.cpp): the route now ("mkl" or "aten") after setting it to
+// `want`
+// ("" leaves it; "auto" is the default choice; "mkl" raises, naming why, where refused).
+std::string adam_route(const std::string& want) {
+  if (want == "auto") {
+    route_setting() = static_cast<int>(mkl_root_refusal().empty() ? AdamRoute::kMkl
+                                                                  : AdamRoute::kAten);
+  } else if (want == "mkl") {
+    const std::string why = mkl_root_refusal();
+    TORCH_CHECK_VALUE(why.empty(),
+                      "pycomm._C._adam_route: cannot take the square root through MKL: ", why);
+    route_setting() = static_cast<int>(AdamRoute::kMkl);
+  } else if (want == "aten") {
+    route_setting() = static_cast<int>(AdamRoute::kAten);
+  } else {
+    TORCH_CHECK_VALUE(want.empty(),
+                      "pycomm._C._adam_route: want must be \"\", \"auto\", \"mkl\" or ",
+                      "\"aten\", got \"", want, "\"");
+  }
+  return static_cast<AdamRoute>(route_setting().load()) == AdamRoute::kMkl ? "mkl" : "aten";
+}
 
 TORCH_LIBRARY_IMPL(pycomm, CPU, m) { m.impl("adam_step_", &adam_step_cpu_); }
 

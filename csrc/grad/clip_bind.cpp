@@ -173,6 +173,8 @@ at::Tensor clip_parameters_(const pybind11::list& parameters, double max_norm, d
 
 }  // namespace
 
+std::string adam_route(const std::string& want);  // adam_cpu.cpp
+
 void bind_clip(pybind11::module& m) {
   m.def("_clip_grad_norm_", &clip_parameters_, pybind11::arg("parameters"),
         pybind11::arg("max_norm"), pybind11::arg("norm_type") = 2.0,
@@ -195,6 +197,10 @@ void bind_clip(pybind11::module& m) {
   m.def(
       "_cpu_kernels", [] { return std::string(cpu_pieces().name); },
       "Which build of the CPU inner loops this process runs: 'avx2' or 'default'.");
+  m.def("_adam_route", &adam_route, pybind11::arg("want") = "",
+        "Where pycomm::adam_step_ takes its square roots, 'mkl' or 'aten', after setting it to "
+        "want ('' leaves it, 'auto' restores the default): Note [Adam in chunks, two at a "
+        "time] in csrc/grad/adam_cpu.cpp.");
 }
 
 }  // namespace pycomm

@@ -136,54 +136,68 @@ void accumulate_piece(TA* acc, const TG* grad, int64_t n, at::opmath_type<TA> sc
   for (; i < n; ++i) acc[i] = scaled_add<TA, TG>(acc[i], grad[i], scale);
 }
 
-// Adam's first pass (See Note [Adam in one pass, with torch's bits] in adam_cpu.cpp): the
-// operations of torch's for-loop Adam up to the square root, each rounded as its kernel
-// rounds it (at::vec::fmadd fuses where ATen's build fuses), and the square root's input
-// into `root`, zeros as ones (See Note [Zeros around the square root] in adam_cpu.cpp).
-// The remainder runs the same vector code on a partial load, so an element's bits do not
-// depend on its position.
-inline void adam_moments_piece(float* p, const float* g, float* m, float* v, float* root, int64_t n,
-                               const AdamScalars& s) {
+// Adam over n float32 elements (See Note [Adam in one pass, with torch's bits] and Note
+// [Adam in chunks, two at a time] in adam_cpu.cpp), chunk after chunk of root.chunk
+// elements. A chunk's moments write the square root's input into one of root.buffers
+// (zeros as ones: Note [Zeros around the square root]); root.fn takes the square roots in
+// place; the update reads them in the next round, so one loop both updates chunk k and
+// makes the moments of chunk k + 1: the divisions of the one and the memory traffic of
+// the other overlap. Each operation rounds as torch's kernel rounds it (at::vec::fmadd
+// fuses where ATen's build fuses); a remainder runs the same vector code on a partial
+// load, so an element's bits depend neither on its position nor on the chunk size.
+inline void adam_span_piece(float* p, const float* g, float* m, float* v, int64_t n,
+                            const AdamScalars& s, const AdamRoot& root) {
   using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t kV = Vec::size();
   const Vec decay(s.decay), weight(s.weight), beta2(s.beta2), c2(s.one_minus_beta2);
+  const Vec correction(s.root_correction), eps(s.eps), step(s.neg_step_size);
   const Vec zero(0.0f), one(1.0f);
   // torch's lerp: start + weight * (end - start) for |weight| < 0.5, else
   // end + (weight - 1) * (end - start).
   const bool small = std::abs(s.weight) < 0.5f;
   const Vec coeff = small ? weight : weight - one;
-  const auto span = [&](int64_t i, int64_t count) {
-    Vec pv = Vec::loadu(p + i, count);
+  // exp_avg.lerp_(grad), exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2); param
+  // is not read here: its decay is a function of param alone, applied in update.
+  const auto moments = [&](int64_t i, int64_t count, float* r) {
     const Vec gv = Vec::loadu(g + i, count);
     const Vec mv = Vec::loadu(m + i, count);
-    if (s.decays) {
-      pv = pv * decay;
-      pv.store(p + i, count);
-    }
     at::vec::fmadd(coeff, gv - mv, small ? mv : gv).store(m + i, count);
     const Vec vv = at::vec::fmadd(c2 * gv, gv, Vec::loadu(v + i, count) * beta2);
     vv.store(v + i, count);
-    Vec::blendv(vv, one, vv == zero).store(root + i, count);
+    Vec::blendv(vv, one, vv == zero).store(r, count);
   };
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) span(i, Vec::size());
-  if (i < n) span(i, n - i);
-}
-
-// Adam's second pass, `root` holding the square roots of the first pass's `root`:
-// denom = sqrt(exp_avg_sq) / root_correction + eps, param += neg_step_size * exp_avg /
-// denom, rounded as torch's division, add_ and addcdiv_ kernels round them.
-inline void adam_update_piece(float* p, const float* m, const float* v, const float* root,
-                              int64_t n, const AdamScalars& s) {
-  using Vec = at::vec::Vectorized<float>;
-  const Vec correction(s.root_correction), eps(s.eps), step(s.neg_step_size), zero(0.0f);
-  const auto span = [&](int64_t i, int64_t count) {
-    const Vec r = Vec::blendv(Vec::loadu(root + i, count), zero, Vec::loadu(v + i, count) == zero);
-    const Vec denom = r / correction + eps;
-    (Vec::loadu(p + i, count) + step * Vec::loadu(m + i, count) / denom).store(p + i, count);
+  // param *= decay; denom = sqrt(exp_avg_sq) / root_correction + eps; param +=
+  // neg_step_size * exp_avg / denom.
+  const auto update = [&](int64_t i, int64_t count, const float* r) {
+    const Vec root_v = Vec::blendv(Vec::loadu(r, count), zero, Vec::loadu(v + i, count) == zero);
+    const Vec denom = root_v / correction + eps;
+    Vec pv = Vec::loadu(p + i, count);
+    if (s.decays) pv = pv * decay;
+    (pv + step * Vec::loadu(m + i, count) / denom).store(p + i, count);
   };
-  int64_t i = 0;
-  for (; i + Vec::size() <= n; i += Vec::size()) span(i, Vec::size());
-  if (i < n) span(i, n - i);
+  const auto each = [](auto&& f, int64_t at, int64_t count, float* r) {
+    int64_t j = 0;
+    for (; j + kV <= count; j += kV) f(at + j, kV, r + j);
+    if (j < count) f(at + j, count - j, r + j);
+  };
+  float* roots[2] = {root.buffers, root.buffers + root.chunk};
+  int64_t last = 0, last_n = 0;  // the chunk whose roots wait for its update
+  for (int64_t at = 0, k = 0; at < n; at += root.chunk, ++k) {
+    const int64_t count = std::min(root.chunk, n - at);
+    float* r = roots[k & 1];
+    float* last_r = roots[(k + 1) & 1];
+    const int64_t both = std::min(count, last_n) / kV * kV;
+    for (int64_t j = 0; j < both; j += kV) {
+      moments(at + j, kV, r + j);
+      update(last + j, kV, last_r + j);
+    }
+    each(moments, at + both, count - both, r + both);
+    each(update, last + both, last_n - both, last_r + both);
+    root.fn(r, count, root.context);
+    last = at;
+    last_n = count;
+  }
+  each(update, last, last_n, roots[((n + root.chunk - 1) / root.chunk + 1) & 1]);
 }
 
 // Type-erased entry points: what cpu_pieces.h's table points at.

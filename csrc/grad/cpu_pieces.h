@@ -18,13 +18,10 @@ struct CpuPieces {
   // acc += scale * grad over n elements.
   void (*accumulate)(at::ScalarType acc_dtype, at::ScalarType grad_dtype, void* acc,
                      const void* grad, int64_t n, double scale);
-  // Adam's two passes over n float32 elements (See Note [Adam in one pass, with torch's
-  // bits] in adam_cpu.cpp): the moments (and param's decay), writing the square root's
-  // input into root; then, root's square roots taken, the parameter update.
-  void (*adam_moments)(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                       float* root, int64_t n, const AdamScalars& s);
-  void (*adam_update)(float* param, const float* exp_avg, const float* exp_avg_sq,
-                      const float* root, int64_t n, const AdamScalars& s);
+  // torch's Adam step over n float32 elements (See Note [Adam in chunks, two at a time]
+  // in adam_cpu.cpp), the square roots taken by root.fn.
+  void (*adam_span)(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
+                    const AdamScalars& s, const AdamRoot& root);
   const char* name;
 };
 

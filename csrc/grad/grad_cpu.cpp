@@ -232,9 +232,8 @@ const CpuPieces& cpu_pieces() {
     const std::string cap = at::get_cpu_capability();
     if (cap == "AVX2" || cap == "AVX512") return cpu_avx2::pieces();
 #endif
-    return CpuPieces{&cpu_default::norm_piece_any,       &cpu_default::scale_piece_any,
-                     &cpu_default::accumulate_piece_any, &cpu_default::adam_moments_piece,
-                     &cpu_default::adam_update_piece,    "default"};
+    return CpuPieces{&cpu_default::norm_piece_any, &cpu_default::scale_piece_any,
+                     &cpu_default::accumulate_piece_any, &cpu_default::adam_span_piece, "default"};
   }();
   return pieces;
 }

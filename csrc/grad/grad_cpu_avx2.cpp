@@ -39,8 +39,8 @@
 namespace pycomm::cpu_avx2 {
 
 const CpuPieces& pieces() {
-  static const CpuPieces p{&norm_piece_any,     &scale_piece_any,   &accumulate_piece_any,
-                           &adam_moments_piece, &adam_update_piece, "avx2"};
+  static const CpuPieces p{&norm_piece_any, &scale_piece_any, &accumulate_piece_any,
+                           &adam_span_piece, "avx2"};
   return p;
 }
 

@@ -125,6 +125,16 @@ struct AdamScalars {
   float neg_step_size;  // -lr / (1 - beta1^step): param += neg_step_size * exp_avg / denom
 };
 
+// Where Adam's square roots are taken (See Note [Adam in chunks, two at a time] in
+// adam_cpu.cpp): fn(x, count, context) replaces x[0..count) by their square roots, the
+// step going through chunks of `chunk` elements, with buffers holding 2 * chunk floats.
+struct AdamRoot {
+  void (*fn)(float* x, int64_t count, void* context);
+  void* context;
+  int64_t chunk;
+  float* buffers;
+};
+
 // Elements a kernel may treat as one flat span: dense, non-overlapping (any stride order,
 // so channels-last and transposed gradients qualify; their memory is exactly numel slots
 // starting at data_ptr).

@@ -14,8 +14,21 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 import pycomm
 from pycomm.zero import adam_step
 
-# lengths that cross vectors, remainders and the kernel's 32 Ki-element blocks
-LENGTHS = (1, 7, 37, 4099, (1 << 15) + 5, 3 * (1 << 15))
+# lengths that cross vectors, remainders, the MKL route's 512-element chunks and the
+# kernel's 32 Ki-element blocks
+LENGTHS = (1, 7, 37, 511, 512, 1025, 4099, (1 << 15) + 5, 3 * (1 << 15))
+ROUTES = ("mkl", "aten")  # Note [Adam in chunks, two at a time] in csrc/grad/adam_cpu.cpp
+
+
+@pytest.fixture(params=ROUTES)
+def route(request):
+    """The kernel's square roots through MKL directly, or ATen's call; put back after."""
+    try:
+        pycomm._C._adam_route(request.param)
+    except ValueError as e:
+        pytest.skip(f"this build cannot take the MKL route: {e}")
+    yield request.param
+    pycomm._C._adam_route("auto")
 
 _DECOUPLED = "decoupled_weight_decay" in inspect.signature(torch.optim.Adam).parameters
 FORMS = {
@@ -53,7 +66,7 @@ def _assert_same(theirs, ours, ref, mine, where):
 
 
 @pytest.mark.parametrize("form", list(FORMS))
-def test_bitwise_torch_over_steps_and_a_schedule(form):
+def test_bitwise_torch_over_steps_and_a_schedule(form, route):
     """Eight steps, the learning rate changed between them as a scheduler would, two
     groups: every parameter and state tensor equals the optimizer's own step's."""
     cls, options = FORMS[form]
@@ -79,6 +92,37 @@ def test_bitwise_torch_over_steps_and_a_schedule(form):
         _assert_same(theirs, ours, ref, mine, f"{form}, step {step + 1}")
         for r, m in zip(ref.param_groups, mine.param_groups):
             r["lr"] = m["lr"] = r["lr"] * 0.7
+
+
+def test_bitwise_at_two_threads_across_tasks(route):
+    """Tensors larger than a task's 8 blocks and smaller than one, stepped at 2 threads:
+    a task's span starts and ends inside tensors, and the bits are torch's."""
+    lengths = (9 * (1 << 15) + 3, 5, 300_001)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        generator = torch.Generator().manual_seed(3)
+        theirs = [torch.randn(n, generator=generator) for n in lengths]
+        ours = [t.clone() for t in theirs]
+        ref, mine = torch.optim.AdamW(theirs, lr=1e-3), torch.optim.AdamW(ours, lr=1e-3)
+        for step in range(3):
+            for a, b, g in zip(theirs, ours, _grads(generator, step, lengths)):
+                a.grad, b.grad = g, g.clone()
+            ref.step()
+            adam_step.step(mine)
+            _assert_same(theirs, ours, ref, mine, f"{route} at 2 threads, step {step + 1}")
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_route_default_and_errors():
+    """MKL's square root is called directly where torch links MKL (this CI's wheel does);
+    a route not known is refused by name."""
+    if torch.backends.mkl.is_available():
+        assert pycomm._C._adam_route("auto") == "mkl"
+    assert pycomm._C._adam_route() in ROUTES
+    with pytest.raises(ValueError, match='want must be "", "auto", "mkl" or "aten", got "x"'):
+        pycomm._C._adam_route("x")
 
 
 def test_state_from_either_step_continues_in_the_other():
