@@ -61,10 +61,9 @@ def options_reason(cls: type, groups: list[dict]) -> Optional[str]:
     the one-pass Adam])."""
     if not ONE_PASS:
         return "adam_step.ONE_PASS is off"
+    cls = getattr(cls, "one_pass_of", cls)  # pycomm.optim's classes step as torch's
     if cls not in CLASSES:
         return f"{getattr(cls, '__name__', cls)} is not torch's Adam or AdamW"
-    if _global_hooks():  # (the probe would run them too)
-        return "global optimizer step hooks are registered"
     for i, group in enumerate(groups):
         on = [key for key in _OFF if group.get(key)]
         if on:
@@ -89,18 +88,29 @@ def _dense_cpu(t: torch.Tensor, dtypes: tuple = (torch.float32,)) -> bool:
 
 
 def reason(optim: Optimizer) -> Optional[str]:
-    """Why `optim.step()` must run itself rather than the one-pass step (None: it need
-    not): its options (options_reason), its hooks, a wrapped step (an LR scheduler built
-    on it counts its calls), or a tensor the kernel does not take (the parameters, their
-    gradients and the state held: contiguous float32 on CPU; the step counter float32 or
-    float64, as a loaded checkpoint may hold it otherwise)."""
+    """Why `optim.step()` must run itself rather than the one-pass step called in its
+    place (None: it need not): its hooks, a wrapped step (an LR scheduler built on it
+    counts its calls), then step_reason."""
     if (getattr(optim, "_optimizer_step_pre_hooks", None) is None
             or getattr(optim, "_optimizer_step_post_hooks", None) is None):
         return "this torch's optimizer keeps its step hooks elsewhere"
     if optim._optimizer_step_pre_hooks or optim._optimizer_step_post_hooks:
         return "optimizer step hooks are registered"
+    if _global_hooks():
+        return "global optimizer step hooks are registered"
     if "step" in vars(optim):
         return "its step() is wrapped (an LR scheduler built on it, say)"
+    return step_reason(optim, type(optim))
+
+
+def step_reason(optim: Optimizer, cls: type) -> Optional[str]:
+    """Why the one-pass step cannot step `optim` as optimizer class `cls` steps it (None:
+    it can): a tensor the kernel does not take (the parameters, their gradients and the
+    state held: contiguous float32 on CPU; the step counter float32 or float64, as a
+    loaded checkpoint may hold it otherwise), after options_reason."""
+    why = options_reason(cls, optim.param_groups)
+    if why is not None:
+        return why
     for group in optim.param_groups:
         for p in group["params"]:
             if not _dense_cpu(p):
@@ -119,7 +129,7 @@ def reason(optim: Optimizer) -> Optional[str]:
                         and state["step"].numel() == 1):
                     return (f"a step counter of {state['step'].dtype} on "
                             f"{state['step'].device}")
-    return options_reason(type(optim), optim.param_groups)
+    return None
 
 
 @torch.no_grad()
@@ -164,6 +174,12 @@ def _probe(cls: type, group: dict) -> Optional[str]:
         return f"the probe of the one-pass step failed: {type(e).__name__}: {e}"
 
 
+def hookless_step(cls: type):
+    """`cls.step` without the hook wrapper torch's Optimizer puts on a class."""
+    fn = cls.step
+    return fn.__wrapped__ if getattr(fn, "hooked", False) else fn
+
+
 def _compare(cls: type, group: dict) -> Optional[str]:
     generator = torch.Generator().manual_seed(1234)
     options = {k: v for k, v in group.items() if k != "params"}
@@ -179,7 +195,7 @@ def _compare(cls: type, group: dict) -> Optional[str]:
             a.grad[: a.numel() // 4] = 0.0  # exp_avg_sq stays zero there, and -0.0 once
             a.grad[a.numel() // 4 - 1: a.numel() // 4] = -0.0
             b.grad = a.grad.clone()
-        reference.step()
+        hookless_step(cls)(reference)  # a user's global step hooks are not called
         step(mine)
     for a, b in zip(theirs, ours):
         sa, sb = reference.state[a], mine.state[b]
