@@ -4,7 +4,10 @@ import importlib
 
 import torch  # noqa: F401  (loads libtorch before the extension that links to it)
 
-from . import _C  # noqa: F401  (registers torch.ops.pycomm.*)
+from . import (
+    _C,  # noqa: F401  (registers torch.ops.pycomm.*)
+    optim,
+)
 from ._version import __version__
 from .clip import clip_grad_norm_
 from .config import DDPConfig
@@ -16,7 +19,7 @@ from .zero import ShardedGradScaler, ZeroRedundancyOptimizer
 _register_shm_backend()
 
 __all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "ShardedGradScaler",
-           "ZeroRedundancyOptimizer", "__version__", "clip_grad_norm_", "patch"]
+           "ZeroRedundancyOptimizer", "__version__", "clip_grad_norm_", "optim", "patch"]
 
 _LAZY_SUBMODULES = ("lightning",)  # import their library: only on first use
 

@@ -1,0 +1,1 @@
+"""pycomm.optim: torch's Adam and AdamW stepped in one pass (pycomm/optim.py)."""
