@@ -76,6 +76,7 @@ IMPLS = {
     "torch_zero": sharded.torch_zero,
     "fsdp2": sharded.fsdp2,
 }
+IMPLS.update({anchor: IMPLS[of] for anchor, of in sharded.ANCHORS.items()})
 DEFAULT_IMPLS = ("torch", "pycomm")
 COMPILED = "+compile"  # suffix of an implementation run under torch.compile(ddp)
 
@@ -127,6 +128,10 @@ class Result:
     state_mb: float = float("nan")  # optimizer state held by a rank (the largest)
     mem_mb: float = float("nan")  # resident memory the implementation added (build + warm-up)
     gather_hidden: float = float("nan")  # pycomm_zero: share of its all-gathers not waited for
+    forward_ms: float = float("nan")  # median: zero_grad + forward (all-gather waits included)
+    opt_ms: float = float("nan")      # median: the optimizer's step() call
+    no_sync_fb_ms: float = float("nan")  # median no_sync step less its optimizer step
+    copy_gb_s: float = float("nan")   # a rank's copy bandwidth, all ranks copying at once
 
 
 def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.Module]:
@@ -140,9 +145,10 @@ def _build(variant: str, module: nn.Module, cfg: Config) -> tuple[nn.Module, nn.
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
           clip: Optional[Callable[[], object]] = None) -> tuple[float, ...]:
-    """(wall, backward, process CPU) seconds of one training step; `clip` runs between
-    backward and the optimizer. On CUDA the step starts and ends with the device idle
-    (synchronized), and backward is the device's time between events around the call."""
+    """(wall, backward, process CPU, forward, optimizer step) seconds of one training step;
+    `clip` runs between backward and the optimizer. On CUDA the step starts and ends with
+    the device idle (synchronized), and backward is the device's time between events
+    around the call (forward and the optimizer step are host times there)."""
     on_gpu = x.is_cuda
     if on_gpu:
         torch.cuda.synchronize()
@@ -160,11 +166,14 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
         events[1].record()
     if clip is not None:
         clip()
+    opt_start = time.perf_counter()
     opt.step()
+    opt_end = time.perf_counter()
     if on_gpu:
         torch.cuda.synchronize()
     backward = events[0].elapsed_time(events[1]) / 1e3 if on_gpu else bwd_end - bwd
-    return time.perf_counter() - start, backward, time.process_time() - cpu
+    return (time.perf_counter() - start, backward, time.process_time() - cpu, bwd - start,
+            opt_end - opt_start)
 
 
 def _clipper(ddp: nn.Module, max_norm: float, no_sync: bool) -> Optional[Callable[[], object]]:
@@ -292,17 +301,35 @@ def run_model(cfg: Config, name: str) -> list[Result]:
         _write_traces(cfg, name, runs)
     params = sum(p.numel() for p in module.parameters())
     results = []
+    copy = _copy_gb_s(device)
     for variant, (_, _, _, samples) in runs.items():
-        step, bwd, cpu = (statistics.median(s[i] for s in samples[False]) * 1e3
-                          for i in range(3))
+        step, bwd, cpu, fwd, opt_step = (statistics.median(s[i] for s in samples[False]) * 1e3
+                                         for i in range(5))
         quiet, _, quiet_cpu = (statistics.median(s[i] for s in samples[True]) * 1e3
                                for i in range(3))
+        quiet_fb = statistics.median(s[0] - s[4] for s in samples[True]) * 1e3
         added, state = samples["memory"]
         results.append(Result(name, params, per_rank(name, x), variant, step, bwd, quiet,
                               step - quiet, cpu, quiet_cpu, _median(samples["overlap"]),
                               _median(samples["wire"]) / 1e6, state / 1e6, added / 1e6,
-                              _median(samples["hidden"])))
+                              _median(samples["hidden"]), fwd, opt_step, quiet_fb, copy))
     return results
+
+
+def _copy_gb_s(device: torch.device) -> float:
+    """GB/s (read + written) of one rank copying 64 MiB of float32 while every rank copies
+    at once: what the optimizer bound divides by. The least of the ranks; median of 5."""
+    src = torch.randn(16 << 20, device=device)
+    dst = torch.empty_like(src)
+    seconds = []
+    for _ in range(6):
+        dist.barrier()
+        start = time.perf_counter()
+        dst.copy_(src)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return _rank_min(2 * src.numel() * 4 / statistics.median(seconds[1:]) / 1e9)
 
 
 def _write_traces(cfg: Config, name: str, runs: dict) -> None:
@@ -337,18 +364,22 @@ def format_results(cfg: Config, results: list[Result], allocator: str = "") -> s
                            bucket_cap_mb=cfg.bucket_cap_mb, threads=cfg.threads,
                            warmup=cfg.warmup, reps=cfg.reps, steps=cfg.steps, **extra,
                            **where, **({"allocator": allocator} if allocator else {})),
-             f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>14} {'step':>7} "
-             f"{'backward':>8} {'no_sync':>7} {'exposed':>7} {'cpu':>7} {'cpu_ns':>7} "
+             f"#{'model':>15} {'params':>9} {'per rank/step':>19} {'impl':>16} {'step':>7} "
+             f"{'forward':>7} {'backward':>8} {'opt':>6} {'no_sync':>7} {'exposed':>7} "
+             f"{'cpu':>7} {'cpu_ns':>7} "
              f"{'overlap':>7}" + (f" {'wire_MB':>7}" if wire else "") +
              (f" {'state_MB':>8} {'mem_MB':>7} {'ag_hid':>6}" if memory else "")]
     for r in results:
-        lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>14} "
-                     f"{r.step_ms:>7.1f} {r.backward_ms:>8.1f} {r.no_sync_step_ms:>7.1f} "
+        lines.append(f"{r.model:>16} {r.params:>9} {r.per_rank:>19} {r.impl:>16} "
+                     f"{r.step_ms:>7.1f} {r.forward_ms:>7.1f} {r.backward_ms:>8.1f} "
+                     f"{r.opt_ms:>6.1f} {r.no_sync_step_ms:>7.1f} "
                      f"{r.exposed_ms:>7.1f} {r.cpu_ms:>7.1f} {r.no_sync_cpu_ms:>7.1f} "
                      f"{r.overlap:>7.2f}" + (f" {r.wire_mb:>7.1f}" if wire else "") +
                      (f" {r.state_mb:>8.1f} {r.mem_mb:>7.1f} {r.gather_hidden:>6.2f}"
                       if memory else ""))
-    lines.append("# cpu: process CPU ms per step (all threads); cpu_ns: the same in no_sync; "
+    lines.append("# forward: zero_grad + forward (waits for all-gathers included); opt: the "
+                 "optimizer's step() call; cpu: process CPU ms per step (all threads); "
+                 "cpu_ns: the same in no_sync; "
                  "overlap: pycomm's, median step of the least overlapped rank" +
                  ("; wire_MB: what host 0 sent on its link per synchronized step" if wire
                   else "") +
@@ -378,13 +409,30 @@ def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
                      f"{p.backward_ms / t.backward_ms:.3f}, exposed {exposed:.3f}, "
                      f"communication CPU {p.cpu_ms - p.no_sync_cpu_ms:.1f} ms vs "
                      f"{t.cpu_ms - t.no_sync_cpu_ms:.1f} ms")
-    zero = rows.get("pycomm_zero")
-    if zero is not None:
-        others = [r for impl, r in rows.items() if impl != "pycomm_zero"]
-        lines.append(f"# {name}: pycomm_zero step against " + ", ".join(
+    for zero_impl in sharded.PYCOMM_ZERO:
+        zero = rows.get(zero_impl)
+        if zero is None:
+            continue
+        others = [r for impl, r in rows.items() if impl not in sharded.PYCOMM_ZERO]
+        torch_rows = [r for r in others if r.impl.startswith(("torch", "fsdp2"))]
+        best = min(torch_rows, key=lambda r: r.step_ms) if torch_rows else None
+        lines.append(f"# {name}: {zero_impl} step against " + ", ".join(
             f"{r.impl} {zero.step_ms / r.step_ms:.3f}" for r in others) +
+            (f"; the best torch ({best.impl}) {zero.step_ms / best.step_ms:.3f}" if best
+             else "") +
             (f"; optimizer state {zero.state_mb / rows['pycomm'].state_mb:.3f} of pycomm's"
              if "pycomm" in rows and rows["pycomm"].state_mb > 0 else ""))
+    stepped = {impl: r for impl, r in rows.items() if r.state_mb > 0 and r.copy_gb_s > 0}
+    if stepped:  # AdamW: 28 bytes an element a rank steps, 8 of them its state
+        fb = min(r.no_sync_fb_ms for r in rows.values())
+        copy = next(iter(stepped.values())).copy_gb_s
+        lines.append(
+            f"# {name}: bound = forward + backward floor {fb:.1f} ms (the fastest no_sync "
+            f"step less its optimizer step) + the rank's AdamW bytes (3.5 x state_MB) at copy "
+            f"speed {copy:.1f} GB/s: " + ", ".join(
+                f"{impl} {fb + 3.5 * r.state_mb / copy:.1f} ms (step/bound "
+                f"{r.step_ms / (fb + 3.5 * r.state_mb / copy):.3f})"
+                for impl, r in stepped.items()))
     eager, compiled = rows.get("pycomm"), rows.get("pycomm" + COMPILED)
     if eager is not None and compiled is not None:
         lines.append(f"# {name}: pycomm overlap compiled {compiled.overlap:.2f} vs eager "
@@ -479,6 +527,10 @@ def configure(ns: argparse.Namespace) -> Config:
     models = _names("--models", ns.models, MODELS)
     default = sharded.ADAMW_IMPLS if ns.optimizer != "sgd" else DEFAULT_IMPLS
     impls = _names("--impls", ns.impls or ",".join(default), tuple(IMPLS))
+    anchors = [i for i in impls if i in sharded.ANCHORS]
+    if anchors and ns.optimizer != "adamw":
+        raise UsageError("--impls", f"{', '.join(anchors)} step an AdamW of their own: "
+                         f"use them with --optimizer adamw, not {ns.optimizer}")
     for flag, value, low in (("--nproc", ns.nproc, 1), ("--reps", ns.reps, 1),
                              ("--steps", ns.steps, 1), ("--warmup", ns.warmup, 0),
                              ("--samples", ns.samples, 1), ("--threads", ns.threads, 0),

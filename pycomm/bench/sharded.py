@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from .. import optim as pycomm_optim
 from ..config import DDPConfig
 from ..ddp import DistributedDataParallel as PycommDDP
 from ..overlap import StepReport
@@ -27,8 +28,14 @@ from ..zero.gathers import attach
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-6}), "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
               "adamw_fused": (torch.optim.AdamW, {"lr": 1e-4, "fused": True})}
 PYCOMM_ZERO = ("pycomm_zero", "pycomm_zero_released")
-SHARDED = (*PYCOMM_ZERO, "torch_zero", "fsdp2")
-ADAMW_IMPLS = ("pycomm", *PYCOMM_ZERO, "torch_zero", "fsdp2")
+SHARDED = (*PYCOMM_ZERO, "torch_zero", "torch_zero_fused", "fsdp2")
+# The fast anchors of an AdamW run: each DDP (or torch's ZeRO) with torch's fused=True
+# AdamW whatever --optimizer names, and pycomm's DDP with pycomm.optim.AdamW (torch's
+# for-loop bits in one pass). Each maps to the implementation whose DDP it builds.
+ANCHORS = {"pycomm_fused": "pycomm", "pycomm_onepass": "pycomm", "torch_fused": "torch",
+           "torch_zero_fused": "torch_zero"}
+ADAMW_IMPLS = ("pycomm_fused", "pycomm_onepass", *PYCOMM_ZERO, "torch_fused",
+               "torch_zero_fused", "fsdp2")
 
 
 def fsdp2(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
@@ -54,6 +61,11 @@ def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
 
 def optimizer(impl: str, model: nn.Module, name: str) -> torch.optim.Optimizer:
     cls, options = OPTIMIZERS[name]
+    if impl in ANCHORS:  # configure() allows them with an AdamW only
+        options = {**options, "fused": True} if impl != "pycomm_onepass" else options
+        if impl == "pycomm_onepass":
+            return pycomm_optim.AdamW(model.parameters(), **options)
+        impl = ANCHORS[impl]
     if impl in PYCOMM_ZERO:
         return ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True,
                                        release_gradients=impl == "pycomm_zero_released",

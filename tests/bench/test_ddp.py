@@ -126,9 +126,12 @@ def test_trace_writes_each_pycomm_variants_last_steps(tmp_path):
 
 
 def test_adamw_compares_the_sharded_implementations(tmp_path):
-    # --optimizer adamw: pycomm's DDP, its ZeroRedundancyOptimizer, torch's and FSDP2 side
-    # by side, with optimizer state per rank (the sharded ones hold half at 2 ranks), and
-    # the trace of pycomm_zero shows its all-gathers and what the forward waited for.
+    # --optimizer adamw: the fast anchors (pycomm's and torch's DDP with torch's fused
+    # AdamW, pycomm's DDP with pycomm.optim.AdamW, torch's ZeRO with the fused AdamW),
+    # pycomm's ZeroRedundancyOptimizer in both modes and FSDP2 side by side, with
+    # optimizer state per rank (the sharded ones hold half at 2 ranks), the step's parts,
+    # the bound, and the trace of pycomm_zero shows its all-gathers and what the forward
+    # waited for.
     out = subprocess.run(
         [sys.executable, "-m", "pycomm.bench", "ddp", "--models", "mlp", "--optimizer",
          "adamw", "--reps", "1", "--steps", "2", "--warmup", "1", "--samples", "4",
@@ -136,14 +139,21 @@ def test_adamw_compares_the_sharded_implementations(tmp_path):
         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["impl"]: r for r in json.loads((tmp_path / "r.json").read_text())["results"]}
-    assert list(rows) == ["pycomm", "pycomm_zero", "pycomm_zero_released", "torch_zero",
+    assert list(rows) == ["pycomm_fused", "pycomm_onepass", "pycomm_zero",
+                          "pycomm_zero_released", "torch_fused", "torch_zero_fused",
                           "fsdp2"], list(rows)
-    whole = rows["pycomm"]["state_mb"]
+    whole = rows["pycomm_fused"]["state_mb"]
     assert whole > 200, whole  # AdamW: two fp32 tensors per parameter, 25.2M parameters
-    for impl in ("pycomm_zero", "pycomm_zero_released", "torch_zero", "fsdp2"):
+    assert rows["torch_fused"]["state_mb"] == rows["pycomm_onepass"]["state_mb"] == whole
+    for impl in ("pycomm_zero", "pycomm_zero_released", "torch_zero_fused", "fsdp2"):
         assert abs(rows[impl]["state_mb"] / whole - 0.5) < 0.01, (impl, rows[impl])
+    for r in rows.values():  # each part of the step (medians each) within the step
+        assert all(0 < r[k] < r["step_ms"] for k in ("forward_ms", "backward_ms", "opt_ms")), r
+        assert 0 < r["no_sync_fb_ms"] < r["no_sync_step_ms"] and r["copy_gb_s"] > 0, r
     assert 0.0 <= rows["pycomm_zero"]["gather_hidden"] <= 1.0, rows["pycomm_zero"]
-    assert "# mlp: pycomm_zero step against pycomm " in out.stdout, out.stdout
+    assert "# mlp: pycomm_zero step against pycomm_fused " in out.stdout, out.stdout
+    assert "; the best torch (" in out.stdout, out.stdout
+    assert "# mlp: bound = forward + backward floor " in out.stdout, out.stdout
     events = json.loads((tmp_path / "ddp_mlp_pycomm_zero.json").read_text())["traceEvents"]
     gathers = {(e["pid"], e["name"]) for e in events if e["name"].startswith("all_gather")}
     assert gathers == {(pid, f"all_gather {k}") for pid in (0, 1) for k in range(3)}, gathers
@@ -154,6 +164,8 @@ def test_adamw_compares_the_sharded_implementations(tmp_path):
     (["--models", "mlp,foo"], "--models: unknown 'foo'; choose from mlp, transformer"),
     (["--impls", "torch,bar"], "--impls: unknown 'bar'; choose from torch, pycomm"),
     (["--reps", "0"], "--reps: must be at least 1, got 0"),
+    (["--impls", "pycomm_fused"], "--impls: pycomm_fused step an AdamW of their own: use them "
+                                  "with --optimizer adamw, not sgd"),
     (["--bucket-cap-mb", "0"], "--bucket-cap-mb: must be positive, got 0"),
     (["--json", "/nonexistent/r.json"], "--json: cannot write '/nonexistent/r.json'"),
     (["--trace", "/nonexistent/traces"], "--trace: cannot write '/nonexistent/traces'"),
