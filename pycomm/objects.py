@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import pickle
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

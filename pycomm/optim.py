@@ -17,7 +17,8 @@ naming why, and `one_pass_reason()` and `step_kernel` say which ran.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer

@@ -22,8 +22,8 @@ import math
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 

@@ -19,8 +19,9 @@ nccl-tests' tolerance for avg.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar, Optional
 
 import torch
 import torch.distributed as dist

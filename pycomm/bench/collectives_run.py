@@ -10,8 +10,9 @@ import datetime
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

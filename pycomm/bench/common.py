@@ -9,7 +9,8 @@ import os
 import pickle
 import platform
 import tempfile
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

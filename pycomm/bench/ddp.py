@@ -28,8 +28,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

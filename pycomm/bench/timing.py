@@ -8,7 +8,7 @@ collective makes wait for the communication; on CPU the wall clock (`perf_counte
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

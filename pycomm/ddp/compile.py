@@ -53,7 +53,8 @@ from __future__ import annotations
 import sys
 import types
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -6,8 +6,9 @@ Neither the module's flags nor its options live here: callers pass what they dec
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import ExitStack
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

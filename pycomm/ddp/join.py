@@ -10,7 +10,8 @@ imports nothing of the module itself."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.distributed as dist

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

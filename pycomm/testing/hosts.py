@@ -37,8 +37,8 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
-from typing import Any, Callable, Optional, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 from .hosts_launch import Launch, RankResult, RanksFailed
 

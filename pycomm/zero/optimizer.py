@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterable
-from typing import Any, Callable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist

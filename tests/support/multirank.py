@@ -17,7 +17,8 @@ import os
 import socket
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
