@@ -1,10 +1,12 @@
-// Argument checks and queueing of gather, scatter and the list all_to_all of ShmBackend
-// (the others are in backend.cpp and backend_buckets.cpp). The algorithms are in gather_scatter.cpp
+// Argument checks and queueing of gather, scatter, the list all_to_all and the coalesced
+// into-tensor collectives of ShmBackend (the others are in backend.cpp and
+// backend_buckets.cpp). The algorithms are in gather_scatter.cpp
 // and collectives.cpp.
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
 #include "shm/backend.h"
+#include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
 
 namespace pycomm::shm {
@@ -55,6 +57,38 @@ Split packed_split(const std::vector<at::Tensor>& tensors, int64_t* numel) {
     *numel += t.numel();
   }
   return s;
+}
+
+// Note [Coalesced into-tensor collectives]
+// all_gather_into_tensor and reduce_scatter_tensor issued inside torch's coalescing
+// manager (FSDP2 issues them so) arrive as one list. Each runs as one collective over the
+// whole list, not one round per entry: the entries are packed into one buffer, rank by
+// rank (for the all-gather, this rank's inputs back to back; for the reduce-scatter,
+// every entry's block for rank 0, then for rank 1, ...), the one collective runs on it,
+// and the results are unpacked into the outputs. The packing copies each byte once each
+// way, as Gloo's own coalesced path does, and makes the result independent of how the
+// entries alias. The all-gather moves bytes, so entries of any dtypes mix; a reduction
+// needs one dtype, so a mixed reduce-scatter list is refused by entry.
+
+// Entry i of a coalesced list: its input and output, checked for an all-gather (output
+// world x input) or a reduce-scatter (input world x output).
+void check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
+                     const std::vector<at::Tensor>& inputs, int world, bool gather) {
+  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm ", op, ": ", outputs.size(),
+                    " outputs for ", inputs.size(), " inputs");
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const at::Tensor& in = inputs[i];
+    const at::Tensor& out = outputs[i];
+    check_dense(op, in);
+    check_dense(op, out);
+    const int64_t expect = gather ? in.numel() * world : in.numel() / world;
+    TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type() && out.numel() == expect &&
+                          (gather || in.numel() == out.numel() * world),
+                      "pycomm ", op, ": entry ", i, " has a ", in.scalar_type(), " input of ",
+                      in.numel(), " elements and a ", out.scalar_type(), " output of ", out.numel(),
+                      "; expected the output ", gather ? "world x" : "1/world of",
+                      " the input (world ", world, ") in the input's dtype");
+  }
 }
 
 }  // namespace
@@ -130,6 +164,83 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall(std::vector<at::Tensor>& out
                            static_cast<char*>(out.data_ptr()), recv, c);
         for (int64_t p = 0, off = 0; p < size_; off += outs[p].numel(), ++p) {
           outs[p].copy_(out.narrow(0, off, outs[p].numel()).view(outs[p].sizes()));
+        }
+      },
+      opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather_into_tensor_coalesced";
+  check_coalesced(op, outputs, inputs, size_, /*gather=*/true);
+  auto ins = inputs, outs = outputs;
+  int64_t block = 0;  // bytes of one rank's inputs, packed
+  for (const auto& t : ins) block += static_cast<int64_t>(t.nbytes());
+  return enqueue(
+      op, c10d::OpType::COALESCED, outs,
+      [this, ins, outs, block](const OpContext& c) {
+        const auto bytes = at::TensorOptions().dtype(at::kByte);
+        at::Tensor mine = at::empty({block}, bytes);
+        at::Tensor all = at::empty({block * size_}, bytes);
+        for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
+          const int64_t n = static_cast<int64_t>(ins[i].nbytes());
+          mine.narrow(0, off, n).copy_(ins[i].contiguous().reshape({-1}).view(at::kByte));
+          off += n;
+        }
+        std::vector<char*> ptrs;
+        for (int r = 0; r < size_; ++r)
+          ptrs.push_back(static_cast<char*>(all.data_ptr()) + r * block);
+        channel_->allgather(static_cast<const char*>(mine.data_ptr()), block, ptrs, c);
+        for (int64_t i = 0, off = 0; i < static_cast<int64_t>(outs.size()); ++i) {
+          const int64_t n = static_cast<int64_t>(ins[i].nbytes());
+          at::Tensor packed = at::empty({n * size_}, bytes);
+          for (int r = 0; r < size_; ++r)
+            packed.narrow(0, r * n, n).copy_(all.narrow(0, r * block + off, n));
+          outs[i].copy_(packed.view(outs[i].scalar_type()).view(outs[i].sizes()));
+          off += n;
+        }
+      },
+      opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr const char* op = "reduce_scatter_tensor_coalesced";
+  check_coalesced(op, outputs, inputs, size_, /*gather=*/false);
+  TORCH_CHECK_VALUE(!inputs.empty(), "pycomm ", op, ": an empty list");
+  const at::ScalarType dtype = inputs[0].scalar_type();
+  for (size_t i = 1; i < inputs.size(); ++i) {
+    TORCH_CHECK_VALUE(inputs[i].scalar_type() == dtype, "pycomm ", op, ": entry ", i, " is ",
+                      inputs[i].scalar_type(), ", entry 0 is ", dtype,
+                      ": a reduction takes one dtype per call");
+  }
+  check_reduction(op, dtype, opts.reduceOp);
+  auto ins = inputs, outs = outputs;
+  auto reduce = opts.reduceOp.op_;
+  int64_t block = 0;  // elements of one rank's outputs, packed
+  for (const auto& t : outs) block += t.numel();
+  return enqueue(
+      op, c10d::OpType::COALESCED, outs,
+      [this, ins, outs, block, dtype, reduce](const OpContext& c) {
+        const auto options = at::TensorOptions().dtype(dtype);
+        at::Tensor packed = at::empty({block * size_}, options);
+        at::Tensor mine = at::empty({block}, options);
+        for (int r = 0; r < size_; ++r) {
+          for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
+            const int64_t n = outs[i].numel();
+            packed.narrow(0, r * block + off, n)
+                .copy_(ins[i].contiguous().reshape({-1}).narrow(0, r * n, n));
+            off += n;
+          }
+        }
+        channel_->reduce_scatter(static_cast<char*>(packed.data_ptr()),
+                                 static_cast<char*>(mine.data_ptr()), block, dtype, reduce, c);
+        for (int64_t i = 0, off = 0; i < static_cast<int64_t>(outs.size()); ++i) {
+          const int64_t n = outs[i].numel();
+          outs[i].copy_(mine.narrow(0, off, n).view(outs[i].sizes()));
+          off += n;
         }
       },
       opts);

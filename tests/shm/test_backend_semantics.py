@@ -116,6 +116,66 @@ def test_all_reduce_coalesced_matches_gloo(world_size):
     run_ranks(_coalesced_like_gloo, world_size=world_size, backend="pycomm")
 
 
+def _into_tensor_coalesced_like_gloo(rank, world):
+    """all_gather_into_tensor and reduce_scatter_tensor under torch's coalescing manager
+    (how FSDP2 issues them) reach the backend as one list (Note [Coalesced into-tensor
+    collectives] in csrc/shm/backend_tensor_lists.cpp): Gloo's answer on the same inputs,
+    entries of several sizes, an empty one, a 2-D output, SUM, AVG and MAX for the
+    reduce-scatter; an all-gather of mixed dtypes as each entry gathered alone; a
+    mixed-dtype reduce-scatter and a wrong output size are refused by entry, and the group
+    goes on."""
+    gloo = dist.new_group(backend="gloo")
+    g = torch.Generator().manual_seed(rank)
+    ins = [torch.randn(7, generator=g), torch.zeros(0), torch.randn(3, 2, generator=g)]
+    results = []
+    for group in (dist.group.WORLD, gloo):
+        outs = [torch.empty(world * 7), torch.empty(0), torch.empty(world * 3, 2)]
+        with dist._coalescing_manager(group=group):
+            for o, i in zip(outs, ins):
+                dist.all_gather_into_tensor(o, i, group=group)
+        results.append(outs)
+    for a, b in zip(*results):
+        assert torch.equal(a, b), (a, b)
+    # Mixed dtypes (Gloo's coalesced path garbles them): each entry as Gloo gathers it alone.
+    mixed = [torch.randint(-9, 9, (4,), generator=g), torch.randn(5, generator=g).double()]
+    outs = [torch.empty(world * 4, dtype=torch.int64), torch.empty(world * 5, dtype=torch.double)]
+    with dist._coalescing_manager(group=dist.group.WORLD):
+        for o, i in zip(outs, mixed):
+            dist.all_gather_into_tensor(o, i)
+    for o, i in zip(outs, mixed):
+        alone = torch.empty_like(o)
+        dist.all_gather_into_tensor(alone, i, group=gloo)
+        assert torch.equal(o, alone), (o, alone)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX):
+        g = torch.Generator().manual_seed(10 + rank)
+        rs_in = [torch.randint(-50, 50, (world * n,), generator=g).float() for n in (5, 1, 0, 8)]
+        results = []
+        for group in (dist.group.WORLD, gloo):
+            outs = [torch.full((n,), -1.0) for n in (5, 1, 0, 8)]
+            with dist._coalescing_manager(group=group):
+                for o, i in zip(outs, rs_in):
+                    dist.reduce_scatter_tensor(o, i.clone(), op=op, group=group)
+            results.append(outs)
+        for a, b in zip(*results):
+            if op == dist.ReduceOp.AVG:  # pycomm multiplies by 1/world, Gloo divides: an ulp
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=0)
+            else:
+                assert torch.equal(a, b), (op, a, b)
+    pg = dist.group.WORLD
+    with pytest.raises(ValueError, match=r"entry 1 is Double, entry 0 is Float"):
+        pg.reduce_scatter_tensor_coalesced([torch.empty(2), torch.empty(2, dtype=torch.double)],
+                                           [torch.empty(2 * world),
+                                            torch.empty(2 * world, dtype=torch.double)])
+    with pytest.raises(ValueError, match=r"entry 0 has a Float input of 3 elements"):
+        pg.allgather_into_tensor_coalesced([torch.empty(3)], [torch.empty(3)])
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_into_tensor_coalesced_match_gloo(world_size):
+    run_ranks(_into_tensor_coalesced_like_gloo, world_size=world_size, backend="pycomm")
+
+
 def _under_detail(rank, world):
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps a "pycomm" group in its checker
     (Note [Sequence numbers for torch's checks] in csrc/shm/backend.h): the group is made,
