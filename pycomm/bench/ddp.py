@@ -76,6 +76,9 @@ IMPLS = {
     "pycomm_zero_released": sharded.pycomm_zero,
     "torch_zero": sharded.torch_zero,
     "fsdp2": sharded.fsdp2,
+    # FSDP2 on a group of the same ranks over pycomm's shared-memory backend: only with
+    # --impls, for comparison with "fsdp2" (Gloo).
+    "fsdp2_pycomm": sharded.fsdp2_pycomm,
 }
 IMPLS.update({anchor: IMPLS[of] for anchor, of in sharded.ANCHORS.items()})
 DEFAULT_IMPLS = ("torch", "pycomm")
@@ -415,7 +418,8 @@ def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
         if zero is None:
             continue
         others = [r for impl, r in rows.items() if impl not in sharded.PYCOMM_ZERO]
-        torch_rows = [r for r in others if r.impl.startswith(("torch", "fsdp2"))]
+        torch_rows = [r for r in others
+                      if r.impl.startswith(("torch", "fsdp2")) and r.impl != "fsdp2_pycomm"]
         best = min(torch_rows, key=lambda r: r.step_ms) if torch_rows else None
         lines.append(f"# {name}: {zero_impl} step against " + ", ".join(
             f"{r.impl} {zero.step_ms / r.step_ms:.3f}" for r in others) +

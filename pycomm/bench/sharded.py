@@ -28,7 +28,7 @@ from ..zero.gathers import attach
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-6}), "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
               "adamw_fused": (torch.optim.AdamW, {"lr": 1e-4, "fused": True})}
 PYCOMM_ZERO = ("pycomm_zero", "pycomm_zero_released")
-SHARDED = (*PYCOMM_ZERO, "torch_zero", "torch_zero_fused", "fsdp2")
+SHARDED = (*PYCOMM_ZERO, "torch_zero", "torch_zero_fused", "fsdp2", "fsdp2_pycomm")
 # The fast anchors of an AdamW run: each DDP (or torch's ZeRO) with torch's fused=True
 # AdamW whatever --optimizer names, and pycomm's DDP with pycomm.optim.AdamW (torch's
 # for-loop bits in one pass). Each maps to the implementation whose DDP it builds.
@@ -38,19 +38,30 @@ ADAMW_IMPLS = ("pycomm_fused", "pycomm_onepass", *PYCOMM_ZERO, "torch_fused",
                "torch_zero_fused", "fsdp2")
 
 
-def fsdp2(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
+def fsdp2(module: nn.Module, bucket_cap_mb: float, backend: str = "") -> nn.Module:
     """torch's FSDP2 over the bench model: each block of its body (a Linear of the MLP, a
-    layer of the transformer), then the root."""
+    layer of the transformer), then the root; on the default group, or on a new group of
+    `backend` ("fsdp2_pycomm": the same ranks over pycomm's shared-memory backend)."""
     del bucket_cap_mb  # FSDP2 communicates per fully_shard unit, not per bucket
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    options = {"reshard_after_forward": False}
+    if backend:
+        group = dist.new_group(backend=backend)
+        options["mesh"] = DeviceMesh.from_group(group, next(module.parameters()).device.type)
     body = next(iter(module.children()))
     layers = getattr(body, "layers", body)  # TransformerEncoder's layers, or the Sequential
     blocks = [m for m in layers.children() if any(True for _ in m.parameters())]
     for block in blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(module, reshard_after_forward=False)
+        fully_shard(block, **options)
+    fully_shard(module, **options)
     return module
+
+
+def fsdp2_pycomm(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
+    return fsdp2(module, bucket_cap_mb, backend="pycomm")
 
 
 def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
