@@ -58,9 +58,10 @@ ShmBackend::ShmBackend(const std::string& name, int rank, int size,
   collectives_ = std::make_shared<Executor>();
   sends_ = std::make_shared<Executor>();
   receives_ = std::make_shared<Executor>();
-  register_flight_dump(this, [this](const std::string& dir) {  // Note [Flight records on a signal]
-    dump_flight_record(dir + "/" + flight_record_name());
+  const bool on_signal = register_flight_dump(this, [this](const std::string& dir) {
+    dump_flight_record(dir + "/" + flight_record_name());  // Note [Flight records on a signal]
   });
+  channel_->set_dumps_on_signal(on_signal);  // Note [Every rank dumps]
 }
 
 ShmBackend::~ShmBackend() {
@@ -171,6 +172,7 @@ void ShmBackend::fail(const std::string& what) {
   } catch (const std::exception& e) {
     TORCH_WARN("pycomm: could not write the flight record into ", dir, ": ", e.what());
   }
+  channel_->signal_peers_to_dump();  // Note [Every rank dumps]
 }
 
 std::string ShmBackend::flight_record_name() const {

@@ -104,6 +104,12 @@ class Channel {
   int rank() const { return rank_; }
   int world() const { return world_; }
 
+  // Whether this rank's process writes its flight records on SIGUSR2, for the peers to see;
+  // and that signal sent to every peer whose process said so (See Note [Every rank dumps]
+  // in dump_peers.cpp). Returns how many were signalled.
+  void set_dumps_on_signal(bool yes);
+  int signal_peers_to_dump() const;
+
   void barrier(const OpContext& ctx);
   void broadcast(char* data, size_t bytes, int root, const OpContext& ctx);
   // In place; the same elementwise order on every rank, so all ranks get identical bits.

@@ -207,6 +207,7 @@ struct FlightDumps {
   std::map<const void*, std::function<void(const std::string&)>> writers;
   sem_t wake;
   bool installed = false;
+  bool ours = false;  // the handler is on_flight_signal
 };
 
 FlightDumps& flight_dumps() {
@@ -252,16 +253,17 @@ void install_flight_signal(FlightDumps& dumps) {
   action.sa_handler = on_flight_signal;
   sigemptyset(&action.sa_mask);
   action.sa_flags = SA_RESTART;
-  sigaction(kFlightDumpSignal, &action, nullptr);
+  dumps.ours = sigaction(kFlightDumpSignal, &action, nullptr) == 0;
 }
 
 }  // namespace
 
-void register_flight_dump(const void* owner, std::function<void(const std::string&)> write) {
+bool register_flight_dump(const void* owner, std::function<void(const std::string&)> write) {
   FlightDumps& dumps = flight_dumps();
   std::lock_guard<std::mutex> lock(dumps.mutex);
   dumps.writers[owner] = std::move(write);
   install_flight_signal(dumps);
+  return dumps.ours;
 }
 
 void unregister_flight_dump(const void* owner) {

@@ -82,8 +82,9 @@ constexpr int kFlightDumpSignal = SIGUSR2;
 
 // While registered, `write(dir)` runs (on a thread of its own) when the process receives
 // kFlightDumpSignal and $PYCOMM_FLIGHT_RECORD_DIR was set at the first registration;
-// unregister waits for a write that is running. `owner` is the key.
-void register_flight_dump(const void* owner, std::function<void(const std::string&)> write);
+// unregister waits for a write that is running. `owner` is the key. Returns whether the
+// signal's handler is pycomm's (so that a peer may send it: See Note [Every rank dumps]).
+bool register_flight_dump(const void* owner, std::function<void(const std::string&)> write);
 void unregister_flight_dump(const void* owner);
 
 }  // namespace pycomm::shm

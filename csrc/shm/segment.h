@@ -46,11 +46,12 @@ struct OpTag {
 struct alignas(kCacheLine) RankCtl {
   Signal step;            // See Note [Step counters]
   std::atomic<int32_t> pid;
+  std::atomic<int32_t> dumps_on_signal;  // 1: pycomm handles its SIGUSR2 (Note [Every rank dumps])
   OpTag tags[kSlotsPerRank];  // one per slot: a round's tag lives as long as its data
 };
 
 struct alignas(kCacheLine) MailCtl {
-  Signal sent;   // chunks the sender has put in the mailbox
+  Signal sent;  // chunks the sender has put in the mailbox
   Signal taken;  // chunks the receiver has copied out
   std::atomic<uint64_t> chunk_bytes;  // size of the chunk now in the mailbox
   std::atomic<uint64_t> total_bytes;  // size of the whole message it belongs to

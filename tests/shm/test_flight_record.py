@@ -7,6 +7,7 @@ a forward the others did not."""
 
 from __future__ import annotations
 
+import datetime
 import glob
 import os
 import signal
@@ -134,6 +135,45 @@ def test_sigusr2_writes_every_ranks_record_while_one_is_stuck(tmp_path):
     assert "rank 0 is behind" in said and "rank(s) [1] went up to" in said, said
     stuck = records[1]["entries"][-1]
     assert stuck["op"] == "all_reduce" and stuck["state"] == "started", stuck
+
+
+def _late(rank, world_size, directory):
+    # Set before the group exists: the group's ranks then handle SIGUSR2 (Note [Every rank
+    # dumps] in csrc/shm/dump_peers.cpp).
+    os.environ["PYCOMM_FLIGHT_RECORD_DIR"] = directory
+    group = dist.new_group(backend="pycomm", timeout=datetime.timedelta(seconds=2))
+    for _ in range(3):
+        dist.all_reduce(torch.ones(8), group=group)
+    if rank == 1:  # late, not failing: in Python, no collective running, no call to dump
+        time.sleep(5)
+        return
+    with pytest.raises(dist.DistBackendError, match="Timed out"):
+        dist.all_reduce(torch.ones(8), group=group)
+    failed = time.monotonic()
+    while len(glob.glob(os.path.join(directory, "*_rank*.json"))) < world_size:
+        assert time.monotonic() - failed < 1.0, os.listdir(directory)
+        time.sleep(0.01)
+
+
+def test_a_late_rank_writes_its_record_when_the_group_fails_elsewhere(tmp_path):
+    """Every rank's record within a second of one rank's failure, without a hand-sent
+    signal, and torch's analyzer reads them and names the late rank."""
+    run_ranks(_late, 2, directory=str(tmp_path))
+    time.sleep(0.2)  # the late rank's file is written whole by now
+    groups = flight_record.load(str(tmp_path))
+    assert len(groups) == 1, os.listdir(tmp_path)
+    said = flight_record.report(next(iter(groups.values())))
+    assert "rank 1 is behind" in said, said
+    out_dir = tmp_path / "torch"
+    subprocess.run([sys.executable, "-m", "pycomm.flight_record", str(tmp_path),
+                    "--torch-dir", str(out_dir)], capture_output=True, text=True, check=True)
+    (group,) = out_dir.iterdir()
+    analysis = subprocess.run([sys.executable, "-m",
+                               "torch.distributed.flight_recorder.fr_trace", str(group),
+                               "--prefix", "rank_"], capture_output=True, text=True)
+    said = analysis.stdout + analysis.stderr
+    assert analysis.returncode == 0 and "Missing dump files" not in said, said
+    assert "missing ranks: {1}" in said, said
 
 
 def _skipped(rank, world_size, directory):
