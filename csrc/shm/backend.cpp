@@ -93,15 +93,15 @@ void ShmBackend::stop() {
   for (const auto& lane : {collectives_, sends_, receives_}) lane->shutdown();
 }
 
-c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(const char* op, c10d::OpType type,
-                                                   std::vector<at::Tensor> outputs, Body body,
-                                                   const Lane& lane, bool blocking,
-                                                   const comm::OpLabel& label) {
+c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(
+    const char* op, c10d::OpType type, std::vector<at::Tensor> outputs, Body body, const Lane& lane,
+    bool blocking, const comm::OpLabel& label, std::shared_ptr<std::atomic<int>> source) {
   int64_t bytes = 0;
   for (const auto& t : outputs) bytes += static_cast<int64_t>(t.nbytes());
   const c10::ScalarType dtype = outputs.empty() ? c10::ScalarType::Undefined
                                                 : outputs.front().scalar_type();
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
+  if (source != nullptr) work->set_source_cell(std::move(source));
   uint64_t seq = next_seq_++;
   if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
       type != c10d::OpType::RECVANYSOURCE) {
@@ -432,6 +432,20 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::recv(std::vector<at::Tensor>& tensors
         d.write_back();
       },
       receives_);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::recvAnysource(std::vector<at::Tensor>& tensors,
+                                                         int /*tag*/) {
+  const at::Tensor& t = single("recv (any source)", tensors);
+  auto source = std::make_shared<std::atomic<int>>(-1);
+  return enqueue(
+      "recv_anysource", c10d::OpType::RECVANYSOURCE, {t},
+      [this, t, source](const OpContext& c) {
+        Dense d(t);
+        source->store(channel_->recv_any(d.data(), d.bytes(), c), std::memory_order_release);
+        d.write_back();
+      },
+      receives_, /*blocking=*/false, /*label=*/{}, source);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::barrier(const c10d::BarrierOptions& opts) {

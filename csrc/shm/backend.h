@@ -104,6 +104,8 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
                                                const c10d::AllToAllOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override;
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
+  // See Note [Receiving from any source] in p2p.cpp; the Work's sourceRank() names the peer.
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
   // Counters since the group was created: how operations ran and how their waits ended
   // (See Note [Adaptive spin] and Note [Waiting helps]); pycomm.shm.stats() documents them.
@@ -126,10 +128,12 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   // Queue `body` as operation `op` on `lane`; its Work's result() and future hold `outputs`.
   // `blocking`: the caller waits on the Work at once (See Note [Waiting helps]). `label`:
   // the caller's (a DDP bucket's), in the OpContext and the flight record.
+  // `source`: a receive from any source's cell for the peer it took from (the Work's).
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,
                                          const Lane& lane, bool blocking = false,
-                                         const comm::OpLabel& label = {});
+                                         const comm::OpLabel& label = {},
+                                         std::shared_ptr<std::atomic<int>> source = nullptr);
   template <typename Options>
   c10::intrusive_ptr<c10d::Work> enqueue(const char* op, c10d::OpType type,
                                          std::vector<at::Tensor> outputs, Body body,

@@ -146,6 +146,9 @@ class Channel {
                const OpContext& ctx);
   void send(const char* data, size_t bytes, int dst, const OpContext& ctx);
   void recv(char* data, size_t bytes, int src, const OpContext& ctx);
+  // recv() from the first peer found with a message waiting for this rank (peers looked at
+  // in turn from the one after the last source); returns that peer.
+  int recv_any(char* data, size_t bytes, const OpContext& ctx);
 
   // The waits of the collectives, of send and of recv, in that order.
   std::vector<WaitStats> wait_stats() const {
@@ -190,6 +193,7 @@ class Channel {
   int slot_index_ = 0;
   Identity current_;
   bool check_pending_ = false;  // the current collective's first phase is still to come
+  int last_any_source_ = 0;     // recv_any's last source (the receives' lane only)
 };
 
 }  // namespace pycomm::shm

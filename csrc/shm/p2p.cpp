@@ -4,7 +4,10 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <string>
+#include <thread>
 
 #include "shm/collectives.h"
 
@@ -44,6 +47,34 @@ void Channel::recv(char* data, size_t bytes, int src, const OpContext& ctx) {
     Sync::publish(mail.taken, taken + 1);
     off += len;
   } while (off < bytes);
+}
+
+// Note [Receiving from any source]
+// A message is waiting from src when its mailbox to this rank has a chunk this rank has not
+// taken (sent > taken). recv_any looks at the peers' mailboxes in turn, starting after the
+// last source it took from, so that a fast sender cannot starve the others, pausing
+// briefly between rounds, until one has a message or the deadline passes; then it is an
+// ordinary recv() from that peer, which also checks the message's size.
+int Channel::recv_any(char* data, size_t bytes, const OpContext& ctx) {
+  TORCH_CHECK_VALUE(world_ > 1, "pycomm recv (any source): a group of one rank has no peer");
+  for (int round = 0;; ++round) {
+    for (int k = 1; k <= world_; ++k) {  // every rank once, this one skipped
+      const int src = (last_any_source_ + k) % world_;
+      if (src == rank_) continue;
+      const MailCtl& mail = segment_->mail(src, rank_);
+      if (mail.sent.value.load(std::memory_order_acquire) !=
+          mail.taken.value.load(std::memory_order_relaxed)) {
+        last_any_source_ = src;
+        recv(data, bytes, src, ctx);
+        return src;
+      }
+    }
+    if (Clock::now() >= ctx.deadline) {
+      throw_op_error(ctx, "Timed out after " + std::to_string(ctx.timeout.count()) +
+                              " ms waiting for a message from any rank");
+    }
+    if (round > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 }  // namespace pycomm::shm

@@ -24,6 +24,12 @@ ShmWork::ShmWork(int rank, c10d::OpType type, std::vector<at::Tensor> outputs,
                  std::shared_ptr<Executor> executor)
     : c10d::Work(rank, type), outputs_(std::move(outputs)), executor_(std::move(executor)) {}
 
+int ShmWork::sourceRank() const {
+  TORCH_CHECK(source_ != nullptr,
+              "pycomm: sourceRank() is known only for a receive from any source");
+  return source_->load(std::memory_order_acquire);
+}
+
 bool ShmWork::wait(std::chrono::milliseconds timeout) {
   executor_->help(this);
   return c10d::Work::wait(timeout);

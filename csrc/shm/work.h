@@ -42,6 +42,10 @@ class ShmWork : public c10d::Work {
   // Made on first request (See Note [Lazy future]).
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override;
   std::vector<at::Tensor> result() override { return outputs_; }
+  // A receive from any source: the rank it took the message from, once complete (-1
+  // before; the cell is filled by the operation's body).
+  int sourceRank() const override;
+  void set_source_cell(std::shared_ptr<std::atomic<int>> cell) { source_ = std::move(cell); }
 
   // Called once, by whichever thread ran the operation.
   void complete(std::exception_ptr error);
@@ -52,6 +56,7 @@ class ShmWork : public c10d::Work {
 
   std::vector<at::Tensor> outputs_;
   std::shared_ptr<Executor> executor_;
+  std::shared_ptr<std::atomic<int>> source_;
   std::mutex future_mutex_;  // guards the three below
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool done_ = false;

@@ -176,6 +176,46 @@ def test_into_tensor_coalesced_match_gloo(world_size):
     run_ranks(_into_tensor_coalesced_like_gloo, world_size=world_size, backend="pycomm")
 
 
+def _any_source(rank, world):
+    """dist.recv without a source (Note [Receiving from any source] in csrc/shm/p2p.cpp):
+    rank 0 takes one message from each peer, in whatever order they come, and learns who
+    sent each, as on Gloo; a message of another size is refused naming the sender."""
+    if rank == 0:
+        seen = {}
+        for _ in range(world - 1):
+            t = torch.empty(1000)
+            src = dist.recv(t)
+            assert torch.equal(t, torch.full((1000,), float(src))), (src, t[:3])
+            seen[src] = True
+        assert sorted(seen) == list(range(1, world)), seen
+        t = torch.empty(3)
+        work = dist.group.WORLD.recv_anysource([t], 0)
+        work.wait()
+        assert work._source_rank() == 1 and torch.equal(t, torch.arange(3.0))
+    else:
+        dist.send(torch.full((1000,), float(rank)), dst=0)
+        if rank == 1:
+            dist.send(torch.arange(3.0), dst=0)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_receive_from_any_source(world_size):
+    run_ranks(_any_source, world_size=world_size, backend="pycomm")
+
+
+def _any_source_times_out(rank, world):
+    # (a failed group stays failed, so no barrier after)
+    if rank == 0:
+        with pytest.raises(dist.DistBackendError, match="Timed out after 1000 ms waiting for a "
+                                                         "message from any rank"):
+            dist.recv(torch.empty(2))
+
+
+def test_receive_from_any_source_times_out_naming_it():
+    run_ranks(_any_source_times_out, world_size=2, backend="pycomm", group_timeout_s=1.0)
+
+
 def _under_detail(rank, world):
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps a "pycomm" group in its checker
     (Note [Sequence numbers for torch's checks] in csrc/shm/backend.h): the group is made,
