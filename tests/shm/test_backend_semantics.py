@@ -216,6 +216,40 @@ def test_receive_from_any_source_times_out_naming_it():
     run_ranks(_any_source_times_out, world_size=2, backend="pycomm", group_timeout_s=1.0)
 
 
+def _objects_and_refusals(rank, world):
+    """torch's object collectives run on a pycomm group; several tensors in one call of the
+    backend's own API, monitored_barrier and a sparse tensor are refused by name
+    (docs/shm-backend.md, Operations)."""
+    got = [None] * world
+    dist.all_gather_object(got, {"rank": rank, "name": "r" * rank})
+    assert got == [{"rank": r, "name": "r" * r} for r in range(world)], got
+    objects = [("from", 0), [1, 2]] if rank == 0 else [None, None]
+    dist.broadcast_object_list(objects, src=0)
+    assert objects == [("from", 0), [1, 2]], objects
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(rank * 10, gathered, dst=0)
+    assert rank != 0 or gathered == [r * 10 for r in range(world)], gathered
+    out = [None]
+    dist.scatter_object_list(out, [f"to {r}" for r in range(world)] if rank == 0 else None,
+                             src=0)
+    assert out == [f"to {rank}"], out
+    pg = dist.group.WORLD
+    with pytest.raises(ValueError, match="pycomm broadcast: expects one tensor per call, got 2"):
+        pg.broadcast([torch.ones(2), torch.ones(2)])
+    with pytest.raises(ValueError, match="pycomm all_gather: expects one tensor per call, got 2"):
+        pg.allgather([[torch.ones(1)] * world] * 2, [torch.ones(1), torch.ones(1)])
+    with pytest.raises((ValueError, RuntimeError), match="(?i)gloo"):
+        dist.monitored_barrier()
+    with pytest.raises(ValueError, match="needs dense CPU tensors, got a Sparse"):
+        dist.all_reduce(torch.ones(4).to_sparse())
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_object_collectives_and_refusals(world_size):
+    run_ranks(_objects_and_refusals, world_size=world_size, backend="pycomm")
+
+
 def _under_detail(rank, world):
     """Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch wraps a "pycomm" group in its checker
     (Note [Sequence numbers for torch's checks] in csrc/shm/backend.h): the group is made,
