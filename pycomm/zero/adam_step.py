@@ -8,13 +8,16 @@ kernels do it on the builds it was checked on, but that is a property of a torch
 fused multiply-add in a compiled vector loop, MKL's square root), not of torch's API. So it
 is used only for an optimizer that asks nothing beyond the plain update (no amsgrad,
 maximize, capturable, differentiable, foreach or fused; float hyperparameters; float32 CPU
-tensors; no step hooks), and only after a probe: the first time a form of update is met in
-a process (the class, whether weight decay is applied, which branch torch's lerp takes),
-a few tensors of lengths that cross vectors, remainders and the kernel's blocks are stepped
-three times by the optimizer class itself and by the kernel, from the same state (a
+tensors; no step hooks where the kernel is called in place of step(): reason()), and
+only after a probe: the first time a form of update is met in a process (the class,
+whether weight decay is applied, which branch torch's lerp takes), a few tensors of lengths
+that cross vectors, remainders and the kernel's chunks and blocks are stepped three times
+by the optimizer class's own step (without torch's hook wrapper, so no user hook runs)
+and by the kernel, from the same state (a
 quarter of each gradient zero, where the kernel avoids MKL's slow path: Note [Zeros around
 the square root]); the form is used only if every parameter and state tensor agrees
-bitwise. Otherwise the optimizer's own step runs, and `reason()` says why. The state stays
+bitwise. Otherwise the optimizer's own step runs, and `reason()` (or, inside an
+optimizer's own step, `step_reason()`: pycomm/optim.py) says why. The state stays
 torch's (the same keys, dtypes and values), so checkpoints do not see which step ran.
 Checked so: torch 2.13's CPU wheel under ATen's AVX512, AVX2 and default kernels
 (ATEN_CPU_CAPABILITY), against the kernel's AVX2 build for the first two and its portable
