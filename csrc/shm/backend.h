@@ -89,6 +89,10 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::ReduceScatterOptions& opts) override;
+  // outputs[r][i] gets rank r's inputs[i]: one all-gather for the whole list.
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
@@ -154,6 +158,8 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   // flight record written where $PYCOMM_FLIGHT_RECORD_DIR says.
   void fail(const std::string& what);
   void allreduce_body(const at::Tensor& t, c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+  // Every rank's `ins`, packed rank by rank (block bytes each): the bytes of world blocks.
+  at::Tensor gather_packed(const std::vector<at::Tensor>& ins, int64_t block, const OpContext& c);
   c10::intrusive_ptr<c10d::Work> gather_into(const char* op, std::vector<at::Tensor> outs,
                                              const at::Tensor& input,
                                              const c10d::AllgatherOptions& opts);

@@ -61,7 +61,8 @@ Split packed_split(const std::vector<at::Tensor>& tensors, int64_t* numel) {
 
 // Note [Coalesced into-tensor collectives]
 // all_gather_into_tensor and reduce_scatter_tensor issued inside torch's coalescing
-// manager (FSDP2 issues them so) arrive as one list. Each runs as one collective over the
+// manager (FSDP2 issues them so) arrive as one list, and all_gather_coalesced's list of
+// lists is the same all-gather laid out per rank. Each runs as one collective over the
 // whole list, not one round per entry: the entries are packed into one buffer, rank by
 // rank (for the all-gather, this rank's inputs back to back; for the reduce-scatter,
 // every entry's block for rank 0, then for rank 1, ...), the one collective runs on it,
@@ -169,6 +170,22 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall(std::vector<at::Tensor>& out
       opts);
 }
 
+at::Tensor ShmBackend::gather_packed(const std::vector<at::Tensor>& ins, int64_t block,
+                                     const OpContext& c) {
+  const auto bytes = at::TensorOptions().dtype(at::kByte);
+  at::Tensor mine = at::empty({block}, bytes);
+  at::Tensor all = at::empty({block * size_}, bytes);
+  for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
+    const int64_t n = static_cast<int64_t>(ins[i].nbytes());
+    mine.narrow(0, off, n).copy_(ins[i].contiguous().reshape({-1}).view(at::kByte));
+    off += n;
+  }
+  std::vector<char*> ptrs;
+  for (int r = 0; r < size_; ++r) ptrs.push_back(static_cast<char*>(all.data_ptr()) + r * block);
+  channel_->allgather(static_cast<const char*>(mine.data_ptr()), block, ptrs, c);
+  return all;
+}
+
 c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::AllgatherOptions& opts) {
@@ -180,25 +197,50 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(
   return enqueue(
       op, c10d::OpType::COALESCED, outs,
       [this, ins, outs, block](const OpContext& c) {
-        const auto bytes = at::TensorOptions().dtype(at::kByte);
-        at::Tensor mine = at::empty({block}, bytes);
-        at::Tensor all = at::empty({block * size_}, bytes);
-        for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
-          const int64_t n = static_cast<int64_t>(ins[i].nbytes());
-          mine.narrow(0, off, n).copy_(ins[i].contiguous().reshape({-1}).view(at::kByte));
-          off += n;
-        }
-        std::vector<char*> ptrs;
-        for (int r = 0; r < size_; ++r)
-          ptrs.push_back(static_cast<char*>(all.data_ptr()) + r * block);
-        channel_->allgather(static_cast<const char*>(mine.data_ptr()), block, ptrs, c);
+        at::Tensor all = gather_packed(ins, block, c);
         for (int64_t i = 0, off = 0; i < static_cast<int64_t>(outs.size()); ++i) {
           const int64_t n = static_cast<int64_t>(ins[i].nbytes());
-          at::Tensor packed = at::empty({n * size_}, bytes);
+          at::Tensor packed = at::empty({n * size_}, all.options());
           for (int r = 0; r < size_; ++r)
             packed.narrow(0, r * n, n).copy_(all.narrow(0, r * block + off, n));
           outs[i].copy_(packed.view(outs[i].scalar_type()).view(outs[i].sizes()));
           off += n;
+        }
+      },
+      opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_coalesced(
+    std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather_coalesced";
+  TORCH_CHECK_VALUE(static_cast<int>(outputs.size()) == size_, "pycomm ", op, ": ", outputs.size(),
+                    " output lists for a group of ", size_);
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    TORCH_CHECK_VALUE(outputs[r].size() == inputs.size(), "pycomm ", op, ": output list ", r,
+                      " holds ", outputs[r].size(), " tensors for ", inputs.size(), " inputs");
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      check_dense(op, inputs[i]);
+      check_like(op, outputs[r][i], inputs[i], inputs[i].numel());
+    }
+  }
+  auto ins = inputs;
+  auto outs = outputs;
+  std::vector<at::Tensor> flat_outs;
+  for (const auto& list : outs) flat_outs.insert(flat_outs.end(), list.begin(), list.end());
+  int64_t block = 0;  // bytes of one rank's inputs, packed
+  for (const auto& t : ins) block += static_cast<int64_t>(t.nbytes());
+  return enqueue(
+      op, c10d::OpType::ALLGATHER_COALESCED, flat_outs,
+      [this, ins, outs, block](const OpContext& c) {
+        at::Tensor all = gather_packed(ins, block, c);
+        for (int r = 0; r < size_; ++r) {
+          for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
+            const int64_t n = static_cast<int64_t>(ins[i].nbytes());
+            const at::Tensor& out = outs[r][i];
+            out.copy_(all.narrow(0, r * block + off, n).view(out.scalar_type()).view(out.sizes()));
+            off += n;
+          }
         }
       },
       opts);

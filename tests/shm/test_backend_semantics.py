@@ -171,6 +171,33 @@ def _into_tensor_coalesced_like_gloo(rank, world):
     dist.barrier()
 
 
+def _all_gather_coalesced_like_gloo(rank, world):
+    """dist.all_gather_coalesced (a list of lists: outputs[r][i] is rank r's input i) as one
+    all-gather: tensors of several shapes, an empty one, complex; a list of the wrong
+    length is refused by name."""
+    gloo = dist.new_group(backend="gloo")
+    g = torch.Generator().manual_seed(rank)
+    ins = [torch.randn(1, generator=g), torch.randn(2, 2, generator=g), torch.zeros(0),
+           torch.randn(3, generator=g, dtype=torch.cfloat)]
+    results = []
+    for group in (dist.group.WORLD, gloo):
+        outs = [[torch.full_like(t, -1) for t in ins] for _ in range(world)]
+        dist.all_gather_coalesced(outs, ins, group=group)
+        results.append(outs)
+    for mine, theirs in zip(*results):
+        for a, b in zip(mine, theirs):
+            assert torch.equal(a, b), (a, b)
+    with pytest.raises(ValueError, match="output list 0 holds 1 tensors for 2 inputs"):
+        dist.group.WORLD.allgather_coalesced([[torch.ones(1)]] * world,
+                                             [torch.ones(1), torch.ones(1)])
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_coalesced_matches_gloo(world_size):
+    run_ranks(_all_gather_coalesced_like_gloo, world_size=world_size, backend="pycomm")
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_into_tensor_coalesced_match_gloo(world_size):
     run_ranks(_into_tensor_coalesced_like_gloo, world_size=world_size, backend="pycomm")
