@@ -92,6 +92,13 @@ void check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
   }
 }
 
+// Bytes of `tensors` packed back to back: one rank's block in a coalesced all-gather.
+int64_t packed_bytes(const std::vector<at::Tensor>& tensors) {
+  int64_t bytes = 0;
+  for (const auto& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
 }  // namespace
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::gather(std::vector<std::vector<at::Tensor>>& outputs,
@@ -192,8 +199,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(
   constexpr const char* op = "all_gather_into_tensor_coalesced";
   check_coalesced(op, outputs, inputs, size_, /*gather=*/true);
   auto ins = inputs, outs = outputs;
-  int64_t block = 0;  // bytes of one rank's inputs, packed
-  for (const auto& t : ins) block += static_cast<int64_t>(t.nbytes());
+  const int64_t block = packed_bytes(ins);  // one rank's inputs, packed
   return enqueue(
       op, c10d::OpType::COALESCED, outs,
       [this, ins, outs, block](const OpContext& c) {
@@ -228,8 +234,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_coalesced(
   auto outs = outputs;
   std::vector<at::Tensor> flat_outs;
   for (const auto& list : outs) flat_outs.insert(flat_outs.end(), list.begin(), list.end());
-  int64_t block = 0;  // bytes of one rank's inputs, packed
-  for (const auto& t : ins) block += static_cast<int64_t>(t.nbytes());
+  const int64_t block = packed_bytes(ins);  // one rank's inputs, packed
   return enqueue(
       op, c10d::OpType::ALLGATHER_COALESCED, flat_outs,
       [this, ins, outs, block](const OpContext& c) {
