@@ -3,7 +3,11 @@ module (no wrapper) on an NCCL group of one rank, the same model and batch, bloc
 steps interleaved, medians. On one rank pycomm reduces every bucket in place (Note [One
 rank reduces nothing]): its step should cost what the module's costs.
 
-    python benchmarks/gpu_one_rank.py [--json PATH]
+    python benchmarks/gpu_one_rank.py [--json PATH] [--profile PATH]
+
+--profile writes, for the MLP, torch.profiler's host-side table (self CPU time by
+operator and CUDA runtime call, with counts) of the bare module's steps and pycomm's, so
+that what the wrapper adds per step can be read call by call.
 """
 
 from __future__ import annotations
@@ -26,9 +30,28 @@ from pycomm.bench.models import build_model
 REPS, STEPS = 40, 5
 
 
+def profile_host(step, keys, path, steps: int = 50) -> None:
+    """torch.profiler's self-CPU table of `steps` steps of each model in `keys`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with open(path, "w") as f:
+        for k in keys:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(steps):
+                    step(k)
+                torch.cuda.synchronize()
+            f.write(f"## {k}: {steps} steps\n\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40,
+                                              max_name_column_width=60))
+            f.write("\n\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", default=None,
+                   help="write the MLP's host-side profile (bare and pycomm) to this file")
     ns = p.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29571")
@@ -63,6 +86,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 samples[k].append((time.perf_counter() - t) / STEPS * 1e3)
         med = {k: statistics.median(v) for k, v in samples.items()}
+        if ns.profile and name == "mlp":
+            profile_host(step, ("bare", "pycomm"), ns.profile)
         in_place = [b["in_place"] for b in models["pycomm"].timelines(1)[0]["buckets"]]
         rows.append({"model": name, "step_ms": med,
                      "pycomm_vs_torch": med["pycomm"] / med["torch"],

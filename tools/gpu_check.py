@@ -81,7 +81,8 @@ BENCHES = [
 ]
 # (name, script under benchmarks/ and its arguments; {logs} is the step's log folder)
 SCRIPTS = [
-    ("one_rank", ["gpu_one_rank.py", "--json", "{logs}/one_rank.json"]),  # bare vs DDPs
+    ("one_rank", ["gpu_one_rank.py", "--json", "{logs}/one_rank.json", "--profile",
+                  "{logs}/one_rank_profile.txt"]),  # bare vs DDPs
     ("overlap", ["gpu_overlap.py", "--out", "{logs}"]),  # the streams' trace, per bucket
 ]
 TIMEOUT_S = {"build": 900, "tests": 900, "bench": 300}  # per command
@@ -333,7 +334,7 @@ def _write(record: dict, record_dir: Path, stem: str, logs: Path) -> None:
     out = os.environ.get("OUT")
     if out:
         for f in [record_dir / f"{stem}.json", record_dir / f"{stem}.md", *logs.glob("*.log"),
-                  *logs.glob("traces.tar.gz")]:
+                  *logs.glob("*.txt"), *logs.glob("traces.tar.gz")]:
             shutil.copy(f, out)
 
 
