@@ -85,8 +85,14 @@ def _released_and_clipped(rank, world_size):
             loss_of(m(make_input("mlp", rank, step))).backward()
         if world_size == 1:
             assert ddp._sync.comm_hook is None and not zero._hook_state.grads
+            # The DDP clip's norm on the device is torch's to rounding (Note [Clipping from
+            # partials] in pycomm/clip.py), so from step 1 the parameters, and with them
+            # the gradients, may differ from torch's in their last bits.
             for p, q in zip(ddp.parameters(), ref.parameters()):
-                assert torch.equal(p.grad, q.grad), f"step {step}: {_differs(p.grad, q.grad)}"
+                if step == 0:
+                    assert torch.equal(p.grad, q.grad), f"step 0: {_differs(p.grad, q.grad)}"
+                else:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
         else:
             assert all(p.grad is None for p in ddp.parameters()), f"step {step}: a grad is kept"
             assert all(ddp.reducer.grad_view(i).untyped_storage().nbytes() == 0
