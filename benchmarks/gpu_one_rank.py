@@ -1,7 +1,8 @@
-"""A one-GPU DDP step against the module alone: torch's DDP, pycomm's DDP and the bare
-module (no wrapper) on an NCCL group of one rank, the same model and batch, blocks of
-steps interleaved, medians. On one rank pycomm reduces every bucket in place (Note [One
-rank reduces nothing]): its step should cost what the module's costs.
+"""A one-GPU DDP step against the module alone: torch's DDP, pycomm's DDP (with and
+without its per-step timeline) and the bare module (no wrapper) on an NCCL group of one
+rank, the same model and batch, blocks of steps interleaved, medians. On one rank pycomm
+reduces every bucket in place (Note [One rank reduces nothing]): its step should cost what
+the module's costs.
 
     python benchmarks/gpu_one_rank.py [--json PATH] [--profile PATH]
 
@@ -64,7 +65,11 @@ def main(argv=None) -> int:
         models = {"bare": copy.deepcopy(module).cuda(),
                   "torch": TorchDDP(copy.deepcopy(module).cuda(), device_ids=[0]),
                   "pycomm": pycomm.DistributedDataParallel(copy.deepcopy(module).cuda(),
-                                                           device_ids=[0])}
+                                                           device_ids=[0]),
+                  # without the per-step timeline (its device events, Note [Timeline])
+                  "pycomm_notl": pycomm.DistributedDataParallel(
+                      copy.deepcopy(module).cuda(), device_ids=[0],
+                      config=pycomm.DDPConfig(record_timeline=False))}
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-6) for k, m in models.items()}
 
         def step(k, models=models, opts=opts, x=x):
@@ -78,7 +83,7 @@ def main(argv=None) -> int:
         samples = {k: [] for k in models}
         order = list(models)
         for rep in range(REPS):
-            for k in order[rep % 3:] + order[:rep % 3]:
+            for k in order[rep % len(order):] + order[:rep % len(order)]:
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 for _ in range(STEPS):
@@ -92,17 +97,21 @@ def main(argv=None) -> int:
         rows.append({"model": name, "step_ms": med,
                      "pycomm_vs_torch": med["pycomm"] / med["torch"],
                      "pycomm_vs_bare": med["pycomm"] / med["bare"],
-                     "torch_vs_bare": med["torch"] / med["bare"], "buckets_in_place": in_place})
+                     "torch_vs_bare": med["torch"] / med["bare"],
+                     "pycomm_notl_vs_bare": med["pycomm_notl"] / med["bare"],
+                     "buckets_in_place": in_place})
     dist.destroy_process_group()
     print(f"# one-rank DDP on NCCL, {torch.cuda.get_device_name(0)}, torch {torch.__version__}; "
           f"{REPS} interleaved blocks of {STEPS} steps, medians (ms per step)")
-    print(f"{'model':>12} {'bare':>8} {'torch':>8} {'pycomm':>8} {'pycomm/torch':>13} "
-          f"{'pycomm/bare':>12} {'torch/bare':>11}  in place")
+    print(f"{'model':>12} {'bare':>8} {'torch':>8} {'pycomm':>8} {'no tl':>8} "
+          f"{'pycomm/torch':>13} {'pycomm/bare':>12} {'torch/bare':>11} {'no tl/bare':>11}"
+          f"  in place")
     for r in rows:
         m = r["step_ms"]
         print(f"{r['model']:>12} {m['bare']:8.3f} {m['torch']:8.3f} {m['pycomm']:8.3f} "
-              f"{r['pycomm_vs_torch']:13.3f} {r['pycomm_vs_bare']:12.3f} "
-              f"{r['torch_vs_bare']:11.3f}  {sum(r['buckets_in_place'])}/"
+              f"{m['pycomm_notl']:8.3f} {r['pycomm_vs_torch']:13.3f} "
+              f"{r['pycomm_vs_bare']:12.3f} {r['torch_vs_bare']:11.3f} "
+              f"{r['pycomm_notl_vs_bare']:11.3f}  {sum(r['buckets_in_place'])}/"
               f"{len(r['buckets_in_place'])}")
     if ns.json:
         with open(ns.json, "w") as f:
