@@ -183,7 +183,9 @@ def _graph_replay(grads: list[torch.Tensor], rel: float) -> Callable:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         pycomm_clip.clip_grad_norm_(holders, max_norm)
-    return lambda _ps, _m: graph.replay()
+    # The graph reads and writes the holders' gradients at every replay: they live as long
+    # as the replay does (freed, their memory would be clipped as whoever reused it).
+    return lambda _ps, _m, _keep=holders: graph.replay()
 
 
 def rotated(items: list, rep: int) -> list:
