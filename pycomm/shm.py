@@ -35,7 +35,7 @@ BACKEND_NAME = "pycomm"
 _SEGMENT_KEY = "pycomm/shm/segment"
 _FAILED = "!failed: "  # _SEGMENT_KEY's value when rank 0 could not create the segment
 _SAME_HOST_GROUPS: dict[str, dist.ProcessGroup | None] = {}
-_HIER_GROUPS: dict[str, dist.ProcessGroup | None] = {}
+_HIER_GROUPS: dict[str, tuple[bool, int, dist.ProcessGroup | None]] = {}
 _LAYOUTS: dict[str, HostLayout] = {}
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 _HOST_KEY = "pycomm/shm/host/{}"
@@ -347,22 +347,28 @@ def same_host_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
     return answer
 
 
-def hierarchical_group(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+def hierarchical_group(group: dist.ProcessGroup,
+                       one_rank_per_host: bool = False) -> dist.ProcessGroup | None:
     """A hierarchical "pycomm" group over the ranks of `group` (a CPU-only Gloo group
     spanning several hosts, each holding the same number of ranks, more than one), or None
     when it would not help: one host (see same_host_group), one rank per host (the flat
-    Gloo all-reduce is already the cross-host one), hosts holding different numbers of
-    ranks. See Note [Hierarchical all-reduce] in csrc/shm/hier.h. Collective over `group`
-    the first time; the answer is cached per group."""
-    if group.group_name in _HIER_GROUPS:
-        return _HIER_GROUPS[group.group_name]
-    answer = None
-    if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
-        layout = host_layout(group)
-        if len(layout.hosts) > 1 and layout.uniform and len(layout.hosts[0]) > 1:
-            answer = _pycomm_group_over(group)
-    _HIER_GROUPS[group.group_name] = answer
-    return answer
+    Gloo all-reduce is already the cross-host one; `one_rank_per_host` asks for the group
+    then too, for what only it does: a low-precision wire, DDPConfig.wire), hosts holding
+    different numbers of ranks. See Note [Hierarchical all-reduce] in csrc/shm/hier.h.
+    Collective over `group` the first time; the answer is cached per group."""
+    # per group: (whether a hierarchy is possible, ranks per host, the group once made)
+    if group.group_name not in _HIER_GROUPS:
+        possible, per_host = False, 0
+        if dist.get_backend(group) == "gloo" and dist.get_world_size(group) > 1:
+            layout = host_layout(group)
+            possible = len(layout.hosts) > 1 and layout.uniform
+            per_host = len(layout.hosts[0])
+        _HIER_GROUPS[group.group_name] = (possible, per_host, None)
+    possible, per_host, made = _HIER_GROUPS[group.group_name]
+    if made is None and possible and (per_host > 1 or one_rank_per_host):
+        made = _pycomm_group_over(group)
+        _HIER_GROUPS[group.group_name] = (possible, per_host, made)
+    return made if per_host > 1 or one_rank_per_host else None
 
 
 def hierarchy(group: dist.ProcessGroup | None = None) -> dict[str, int] | None:

@@ -7,10 +7,12 @@
 #include <torch/csrc/distributed/c10d/Types.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "comm/op_label.h"
+#include "comm/wire.h"
 
 #define PYCOMM_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||         \
@@ -61,5 +63,18 @@ class BucketAllreduce {
 
 // `backend` as a BucketAllreduce, or null when it does not offer one.
 BucketAllreduce* bucket_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
+
+// What a backend spanning hosts offers: a sum all-reduce whose cross-host leg carries
+// `wire` with float32 sums, `residual` keeping its error feedback (pycomm's hierarchical
+// backend: Note [Low-precision wire] in shm/wire_codec.h).
+class WireAllreduce {
+ public:
+  virtual ~WireAllreduce() = default;
+  virtual WorkPtr allreduce_wire(at::Tensor tensor, const Wire& wire,
+                                 std::shared_ptr<WireResidual> residual) = 0;
+};
+
+// `backend` as a WireAllreduce, or null when it does not offer one.
+WireAllreduce* wire_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
 
 }  // namespace pycomm::comm

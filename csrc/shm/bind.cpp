@@ -8,6 +8,7 @@
 #include "shm/backend.h"
 #include "shm/hier.h"
 #include "shm/segment.h"
+#include "shm/wire_codec.h"
 
 namespace pycomm {
 
@@ -113,6 +114,31 @@ namespace {
 
 void bind_hier(pybind11::module& m) {
   namespace py = pybind11;
+  py::class_<comm::WireResidual, std::shared_ptr<comm::WireResidual>>(
+      m, "WireResidual",
+      "The error-feedback residuals of one tensor's low-precision all-reduces, kept from one "
+      "call to the next (Note [Low-precision wire] in csrc/shm/wire_codec.h)")
+      .def(py::init<>())
+      .def_property_readonly(
+          "sent", [](const comm::WireResidual& r) { return r.sent; },
+          "what the wire lost of this rank's share when it sent it (empty before the first)")
+      .def_property_readonly(
+          "summed", [](const comm::WireResidual& r) { return r.summed; },
+          "what the wire lost of the sums this rank formed");
+  m.def(
+      "wire_name",
+      [](const std::string& wire, bool error_feedback) {
+        return comm::Wire::parse(wire, error_feedback).name();
+      },
+      py::arg("wire"), py::arg("error_feedback") = false,
+      "DDPConfig's wire and wire_error_feedback checked, as one name ('fp32', 'bf16', 'int8', "
+      "'int8+ef'); a ValueError names what is wrong");
+  m.def(
+      "wire_bytes",
+      [](const std::string& wire, int64_t n) {
+        return shm::wire_bytes(comm::Wire::parse(wire, false).dtype, n);
+      },
+      py::arg("wire"), py::arg("n"), "bytes n float32 values take in the wire's form");
   py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>(
       m, "HierBackend",
       "c10d backend of a group over several hosts: all-reduce, reduce_scatter_tensor and "
@@ -133,6 +159,21 @@ void bind_hier(pybind11::module& m) {
       .def_property_readonly("hosts", &shm::HierBackend::hosts, "the number of hosts")
       .def_property_readonly("local", &shm::HierBackend::local,
                              "the shared-memory group of this rank's host")
+      .def(
+          "allreduce_wire",
+          [](shm::HierBackend& b, at::Tensor tensor, const std::string& wire, bool error_feedback,
+             std::shared_ptr<comm::WireResidual> residual) {
+            b.allreduce_wire(std::move(tensor), comm::Wire::parse(wire, error_feedback),
+                             std::move(residual))
+                ->wait();
+          },
+          py::arg("tensor"), py::arg("wire"), py::arg("error_feedback") = false,
+          py::arg("residual") = nullptr, py::call_guard<py::gil_scoped_release>(),
+          "Sum all-reduce of `tensor` in place whose cross-host leg carries `wire` ('fp32', "
+          "'bf16' or 'int8') with float32 sums (Note [Low-precision wire]); returns when it is "
+          "done. "
+          "error_feedback (int8) keeps its residuals in `residual` (a WireResidual) from one "
+          "call to the next")
       .def_property("piece_bytes", &shm::HierBackend::piece_bytes,
                     &shm::HierBackend::set_piece_bytes,
                     "bytes per rank that cross hosts per step of the pipelines (See Note "

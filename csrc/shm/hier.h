@@ -85,7 +85,7 @@
 
 namespace pycomm::shm {
 
-class HierBackend : public c10d::Backend {
+class HierBackend : public c10d::Backend, public comm::WireAllreduce {
  public:
   // ranks[h][l]: the group rank of host h's local rank l (host_ is this rank's h).
   HierBackend(int rank, int size, int host, std::vector<std::vector<int>> ranks,
@@ -99,6 +99,10 @@ class HierBackend : public c10d::Backend {
                                            const c10d::AllreduceOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
       std::vector<at::Tensor>& tensors, const c10d::AllreduceCoalescedOptions& opts) override;
+  // A sum all-reduce whose cross-host leg carries `wire` (Note [Low-precision wire] in
+  // wire_codec.h): float32, bfloat16 and float16 tensors.
+  comm::WorkPtr allreduce_wire(at::Tensor tensor, const comm::Wire& wire,
+                               std::shared_ptr<comm::WireResidual> residual) override;
 
   // Everything else goes to the flat group.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -175,8 +179,10 @@ class HierBackend : public c10d::Backend {
                                          std::vector<at::Tensor> outputs,
                                          std::function<void(uint64_t seq)> body);
   // One all-reduce, the three phases of Note [Hierarchical all-reduce], on the lane.
+  // With a low-precision `wire`, its cross-host leg as Note [Low-precision wire] says.
   void run(const char* op, uint64_t seq, int64_t piece_bytes, const at::Tensor& t,
-           c10d::ReduceOp::RedOpType reduce);
+           c10d::ReduceOp::RedOpType reduce, comm::Wire wire = {},
+           comm::WireResidual* residual = nullptr);
   // Note [Hierarchical reduce-scatter and all-gather], on the lane.
   void reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
                              const at::Tensor& input, c10d::ReduceOp::RedOpType reduce);

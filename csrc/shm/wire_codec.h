@@ -1,0 +1,59 @@
+// The wire forms of float32 gradients (DDPConfig.wire): what the hierarchical all-reduce
+// sends across hosts, and how it reads back what came across.
+#pragma once
+
+#include <cstdint>
+
+#include "comm/wire.h"
+
+namespace pycomm::shm {
+
+// Note [Low-precision wire]
+// Across hosts a DDP step is bound by the link, and gradients tolerate a coarser format on
+// the way if the sums stay exact. With DDPConfig(wire="bf16" | "int8") the hierarchical
+// all-reduce (Note [Hierarchical all-reduce] in hier.h) keeps its shared-memory phases in
+// float32 and replaces its cross-host all-reduce of each rank's piece by:
+//   1. the piece cut into H chunks (one per host, the last padded), each encoded on its
+//      own; an all-to-all over the cross group gives every rank the H encodings of the
+//      chunk it owns;
+//   2. the owner decodes them and adds them in float32, in host order: no partial sum is
+//      ever rounded to the wire's precision (torch's bf16_compress_hook rounds every one,
+//      so its error grows with the ranks);
+//   3. the owner encodes the sum once, and an all-gather over the cross group gives every
+//      rank every chunk's encoded sum, which each decodes into its piece, the owner too.
+//      So the all-gather carries the wire format, not float32: float32 there would cost
+//      (2 + 4) / (4 + 4) = 0.75 of today's bytes for bf16, and every rank reads the same
+//      bytes, so every rank of the group ends with the same bits.
+// Bytes out of a host, against the float32 all-reduce's 2 (H-1)/H x 4 per element: bf16
+// sends 2 + 2 (0.5x); int8 1 + 1 plus a float32 scale per kInt8Block elements (0.254x).
+// int8 is symmetric, per block of kInt8Block elements: scale = max|x| / 127, q = x / scale
+// rounded to nearest even, so a block's largest element is exact and the others are within
+// scale / 2. A 256-element block is 1 KiB of float32, the stretch of one gradient tensor
+// over which magnitudes stay alike (a tensor boundary inside a block costs the smaller
+// tensor precision); its scale costs 1.6% of the int8 bytes. 64 would cost 6.3%, and 1,024
+// lets one large value flatten more neighbours: the relative error of each is measured in
+// benchmarks/results/wire_*.md.
+// Error feedback (wire_error_feedback, int8 only): what encoding loses, x - decoded(x), is
+// kept per rank and added to the next step's value before it is encoded, both for the
+// rank's share it sends (step 1) and for the sums it owns (step 3): over steps the losses
+// cancel instead of adding up. Residuals live with the caller (comm::WireResidual, one per
+// DDP bucket) and restart at zero when the bucket changes.
+// Non-finite values: bf16 keeps inf and nan; an int8 block holding one decodes as nan
+// throughout (a GradScaler still sees it and skips the step), and leaves its residuals
+// as they were.
+
+// Elements per int8 scale.
+constexpr int64_t kInt8Block = 256;
+
+// Bytes `n` float32 values take in `dtype`'s wire form (a multiple of 4).
+int64_t wire_bytes(comm::WireDtype dtype, int64_t n);
+
+// dst <- the wire form of src[0, n). With `residual` (int8 only): src[i] + residual[i] is
+// encoded, and residual[i] becomes what the encoding lost of it.
+void wire_encode(comm::WireDtype dtype, const float* src, int64_t n, uint8_t* dst,
+                 float* residual);
+
+// out[0, n) = the values src encodes (add: out[i] += them, in float32).
+void wire_decode(comm::WireDtype dtype, const uint8_t* src, int64_t n, float* out, bool add);
+
+}  // namespace pycomm::shm

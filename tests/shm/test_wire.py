@@ -1,0 +1,171 @@
+"""The low-precision wire of the hierarchical all-reduce (DDPConfig.wire; Note
+[Low-precision wire] in csrc/shm/wire_codec.h), on one machine whose ranks are told apart
+as hosts by their host identity (as in test_hierarchical_on_one_host.py): the sums are
+float32 (bit for bit the order the note gives, on inputs where summing in bf16 would
+round), every rank ends with the same bits, int8's error stays within its bound and error
+feedback cancels it over steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pycomm
+import pycomm.shm
+from tests.shm.test_hierarchical_on_one_host import _pretend_hosts
+from tests.support.multirank import run_ranks
+
+
+def _wire_backend(rank, per_host, piece_bytes=None):
+    _pretend_hosts(rank, per_host)
+    group = pycomm.shm.hierarchical_group(dist.group.WORLD, one_rank_per_host=True)
+    backend = group._get_backend(torch.device("cpu"))
+    assert pycomm.shm.hierarchy(group)["hosts"] == len(per_host)
+    if piece_bytes is not None:
+        backend.piece_bytes = piece_bytes
+    return group, backend
+
+
+def _gathered(x, world):
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x)
+    return out
+
+
+def _bf16(x):
+    return x.to(torch.bfloat16).float()
+
+
+def _crafted_bf16(rank, world):
+    """Three hosts: 1 + 2^-8 + 2^-8. Each term is a bfloat16; summed in bfloat16 the first
+    addition rounds back to 1 and so does the second, where the float32 sum 1 + 2^-7 is
+    itself a bfloat16: the wire must give it."""
+    _, backend = _wire_backend(rank, [1, 1, 1])
+    x = torch.full((7,), [1.0, 2.0 ** -8, 2.0 ** -8][rank])
+    backend.allreduce_wire(x, "bf16")
+    assert torch.equal(x, torch.full((7,), 1 + 2.0 ** -7)), x
+    one = torch.tensor(1.0, dtype=torch.bfloat16)
+    assert ((one + 2.0 ** -8) + 2.0 ** -8).item() == 1.0  # what summing in bf16 gives
+
+
+def test_bf16_partial_sums_are_float32():
+    run_ranks(_crafted_bf16, world_size=3)
+
+
+def _bf16_reference(xs, per_host):
+    """What the bf16 wire computes: each host's ranks summed in float32 in rank order,
+    rounded to bf16 on the way out, the hosts' values summed in float32 in host order,
+    the sum rounded to bf16 on the way back."""
+    total, first = None, 0
+    for n in per_host:
+        part = xs[first].clone()
+        for r in range(first + 1, first + n):
+            part += xs[r]
+        first += n
+        total = _bf16(part) if total is None else total + _bf16(part)
+    return _bf16(total)
+
+
+def _bf16_order(rank, world, per_host, piece_bytes):
+    _, backend = _wire_backend(rank, per_host, piece_bytes)
+    for n in (0, 1, 3, 7, 1024, 100_003):
+        g = torch.Generator().manual_seed(n * 7 + rank)
+        x = torch.randn(n, generator=g) * 10
+        xs = _gathered(x, world)
+        backend.allreduce_wire(x, "bf16")
+        assert torch.equal(x, _bf16_reference(xs, per_host)), n
+        assert all(torch.equal(t, x) for t in _gathered(x, world)), n
+
+
+@pytest.mark.parametrize("per_host,piece_bytes", [([2, 2], None), ([1, 1, 1], None),
+                                                  ([2, 2], 100), ([1, 1, 1], 36)],
+                         ids=["2x2", "3x1", "2x2-blocks", "3x1-blocks"])
+def test_bf16_wire_sums_in_float32_in_the_noted_order(per_host, piece_bytes):
+    """Bit for bit against the reference, every rank the same bits; small pieces make the
+    pipeline run many blocks, the last short and its chunks padded."""
+    run_ranks(_bf16_order, world_size=sum(per_host), per_host=per_host,
+              piece_bytes=piece_bytes)
+
+
+def _int8_bound(rank, world, per_host, piece_bytes):
+    _, backend = _wire_backend(rank, per_host, piece_bytes)
+    hosts = len(per_host)
+    for n in (1, 5, 256, 257, 4099, 100_000):
+        g = torch.Generator().manual_seed(n + 31 * rank)
+        x = torch.randn(n, generator=g) * torch.logspace(-3, 1, n)  # magnitudes vary
+        exact = torch.stack(_gathered(x.double(), world)).sum(0)
+        backend.allreduce_wire(x, "int8")
+        assert all(torch.equal(t, x) for t in _gathered(x, world)), n
+        # Each host's sum loses at most half a step of its block's scale going out, the
+        # total as much coming back: a step is the block's largest magnitude / 127.
+        largest = exact.abs().max().item() + sum(
+            t.abs().max().item() for t in _gathered(x, world))
+        err = (x.double() - exact).abs().max().item()
+        assert err <= (hosts + 1) * largest / 254 * 1.001, (n, err, largest)
+        rel = ((x.double() - exact).norm() / exact.norm()).item()
+        assert rel < 0.02, (n, rel)
+
+
+@pytest.mark.parametrize("per_host,piece_bytes", [([2, 2], None), ([1, 1, 1], 1000)],
+                         ids=["2x2", "3x1-blocks"])
+def test_int8_wire_error_within_its_bound(per_host, piece_bytes):
+    run_ranks(_int8_bound, world_size=sum(per_host), per_host=per_host,
+              piece_bytes=piece_bytes)
+
+
+def _feedback(rank, world):
+    """The same gradient 40 times: without error feedback int8 makes the same error at
+    every step, so the running sum drifts from the exact one linearly; with it the
+    residual carries each step's loss into the next and the drift stays under a step."""
+    _, backend = _wire_backend(rank, [2, 2], piece_bytes=2048)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(3000, generator=g) * torch.logspace(-2, 0, 3000)
+    exact = torch.stack(_gathered(x.double(), world)).sum(0)
+    step = exact.abs().max().item() / 127
+    residual = pycomm._C.WireResidual()
+    drift = {}
+    for feedback in (False, True):
+        total = torch.zeros(3000, dtype=torch.float64)
+        for _ in range(40):
+            y = x.clone()
+            backend.allreduce_wire(y, "int8", error_feedback=feedback,
+                                   residual=residual if feedback else None)
+            total += y.double()
+        drift[feedback] = (total - 40 * exact).abs().max().item()
+    assert residual.sent.numel() > 0 and residual.summed.numel() > 0
+    assert drift[True] <= 2 * step, (drift, step)
+    assert drift[False] >= 5 * drift[True], drift
+
+
+def test_int8_error_feedback_cancels_the_error_over_steps():
+    run_ranks(_feedback, world_size=4)
+
+
+def _nonfinite(rank, world):
+    _, backend = _wire_backend(rank, [1, 1])
+    x = torch.ones(600)
+    if rank == 1:
+        x[300] = float("inf")
+    y = x.clone()
+    backend.allreduce_wire(y, "bf16")
+    assert y[300].item() == float("inf") and torch.equal(y[:256], torch.full((256,), 2.0))
+    y = x.clone()
+    residual = pycomm._C.WireResidual()
+    backend.allreduce_wire(y, "int8", error_feedback=True, residual=residual)
+    assert not torch.isfinite(y[300]) and torch.isfinite(y[:256]).all()
+    assert torch.isfinite(residual.sent).all()  # the bad block left its residual alone
+
+
+def test_a_nonfinite_gradient_stays_nonfinite():
+    run_ranks(_nonfinite, world_size=2)
+
+
+def test_wire_names_are_checked():
+    assert pycomm._C.wire_name("int8", True) == "int8+ef"
+    with pytest.raises(ValueError, match="wire must be 'fp32', 'bf16' or 'int8'.*'fp16'"):
+        pycomm._C.wire_name("fp16")
+    with pytest.raises(ValueError, match="wire_error_feedback needs wire='int8'"):
+        pycomm._C.wire_name("bf16", True)
+    assert pycomm._C.wire_bytes("int8", 512) == 2 * 4 + 512
+    assert pycomm._C.wire_bytes("bf16", 3) == 8
