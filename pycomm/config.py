@@ -115,6 +115,31 @@ class DDPConfig:
     links. Needs shared_memory_gradients. False keeps the flat Gloo all-reduce. One rank
     per host, or hosts with different numbers of ranks: flat Gloo either way."""
 
+    wire: str = "fp32"
+    """What a gradient all-reduce sends across hosts: "fp32" (the gradients as they are),
+    "bf16" (half the bytes), or "int8" (a quarter, plus a float32 scale per 256
+    elements). Every sum is formed in float32: each host's ranks are summed over shared
+    memory in float32, and across hosts each rank owns a chunk of its piece, receives the
+    other hosts' chunks in the wire format (an all-to-all), adds them in float32 and sends
+    the sum back in the wire format (an all-gather), which every rank decodes alike, so all
+    ranks end with the same bits. The gradient is thus rounded to the wire's precision
+    twice, once going out and once coming back, however many ranks there are, where
+    torch's bf16_compress_hook rounds every partial sum. Needs shared_memory_gradients and
+    hierarchical_allreduce, CPU parameters and float32, bfloat16 or float16 gradients; with
+    one rank per host the hierarchy has one rank per host. On a group whose ranks all share
+    a host nothing crosses a host, and the gradients stay as they are (a warning says so).
+    Not with a comm hook (which decides what it sends itself), nor yet under pycomm's
+    ZeroRedundancyOptimizer(release_gradients=True), whose reduce-scatter replaces the
+    all-reduce (with the gradients kept, the default, the sharded optimizer steps on what
+    the wire delivered). See Note [Low-precision wire] in csrc/shm/wire_codec.h;
+    ddp.reducer.wire says what is in effect."""
+
+    wire_error_feedback: bool = False
+    """With wire="int8": what the int8 encoding loses is kept per rank and added to the
+    next step's gradient before it is encoded (for the rank's share it sends and for the
+    sums it sends back), so that over steps the losses cancel rather than add up. One
+    float32 copy of the rank's share of each bucket, restarted when buckets are rebuilt."""
+
     inline_collectives: bool = dataclasses.field(default=False, metadata=PER_RANK)
     """Run each bucket's default all-reduce on the backward thread as the bucket completes,
     instead of on a communication thread (see Note [Inline collectives] in
@@ -188,6 +213,14 @@ class DDPConfig:
                              f"{self.local_clip_max_norm}")
         if self.local_clip_error_if_nonfinite and self.local_clip_max_norm is None:
             raise ValueError("local_clip_error_if_nonfinite needs local_clip_max_norm")
+        from . import _C  # the wire's names have one owner, csrc/comm/wire.cpp
+
+        _C.wire_name(self.wire, self.wire_error_feedback)
+        if self.wire != "fp32" and not (self.shared_memory_gradients
+                                        and self.hierarchical_allreduce):
+            raise ValueError(f"wire={self.wire!r} crosses hosts through the hierarchical "
+                             f"all-reduce: it needs shared_memory_gradients=True and "
+                             f"hierarchical_allreduce=True")
         if not self.local_clip_norm_type > 0:
             raise ValueError(f"local_clip_norm_type must be > 0 or inf, got "
                              f"{self.local_clip_norm_type}")

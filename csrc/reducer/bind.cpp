@@ -198,6 +198,9 @@ void bind_reducer(py::module& m) {
           py::arg("fn"), "fn(bucket_index, reduced_buffer) when the bucket's collective is done")
       .def("zeros_like_grad_buckets", &zeros_like_grad_buckets)
       .def("step_label_elements", &Reducer::step_label_elements)
+      .def_property_readonly("wire", &Reducer::wire,
+                             "what the default all-reduce sends across hosts: 'fp32', "
+                             "'bf16', 'int8' or 'int8+ef'; 'hook' under a comm hook")
       .def(
           "timelines",
           [](const Reducer& r, size_t n) {

@@ -8,9 +8,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "comm/wire.h"
 
 namespace pycomm::reducer {
 
@@ -73,6 +76,10 @@ struct Bucket {
   std::atomic<int64_t> done_ns{-1};
   int64_t ready_stamp = -1;               // device event ids (see Note [Timeline])
   std::atomic<int64_t> done_stamp{-1};
+  // The low-precision wire's error feedback of this bucket's all-reduces (Note
+  // [Low-precision wire] in shm/wire_codec.h), made by the first that needs it: a rebuilt
+  // bucket starts again from zero.
+  std::shared_ptr<comm::WireResidual> wire_residual;
 
   int64_t nbytes() const { return buffer.numel() * static_cast<int64_t>(buffer.element_size()); }
   void reset_step();

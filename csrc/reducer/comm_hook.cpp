@@ -20,12 +20,15 @@ FuturePtr CommHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/,
   TORCH_CHECK(false, "bucket ", bucket.index, ": this communication hook reduces buckets only");
 }
 
-AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline)
+AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline, comm::Wire wire)
     : pg_(std::move(pg)),
       alone_(pg_->getSize() == 1),
       run_inline_(run_inline),
       backend_(comm::cpu_backend(pg_)),
-      bucket_ops_(comm::bucket_allreduce(backend_)) {}
+      bucket_ops_(comm::bucket_allreduce(backend_)) {
+  if (!wire.exact()) wire_ops_ = comm::wire_allreduce(backend_);
+  if (wire_ops_ != nullptr) wire_ = wire;
+}
 
 int64_t AllreduceSumHook::step_label_elements() const {
   return alone_ || bucket_ops_ != nullptr ? 0 : comm::step_label_elements(pg_->getSize());
@@ -55,7 +58,19 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
   if (bucket_ops_ != nullptr && bucket.buffer.device().is_cpu()) {
     return finish(bucket_ops_->allreduce_sum(bucket.buffer, label));
   }
-  FuturePtr reduced = finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
+  FuturePtr reduced;
+  if (wire_ops_ != nullptr && bucket.buffer.device().is_cpu()) {
+    const auto dtype = bucket.buffer.scalar_type();
+    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+                      "bucket ", bucket.index, ": DDPConfig(wire='", wire_.name(),
+                      "') sends float32, bfloat16 and float16 gradients across hosts, this "
+                      "bucket holds ",
+                      dtype, " (use wire='fp32' for it)");
+    if (!bucket.wire_residual) bucket.wire_residual = std::make_shared<comm::WireResidual>();
+    reduced = finish(wire_ops_->allreduce_wire(bucket.buffer, wire_, bucket.wire_residual));
+  } else {
+    reduced = finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
+  }
   FuturePtr step_label = std::exchange(step_label_, FuturePtr());
   if (!step_label) return reduced;
   c10::List<FuturePtr> both(c10::FutureType::create(c10::AnyType::get()));

@@ -50,10 +50,16 @@ class CommHook {
 
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
 // `run_inline` the launching thread waits for the collective before returning (see
-// Note [Inline collectives] in launch.cpp).
+// Note [Inline collectives] in launch.cpp). With a low-precision `wire` on a group whose
+// backend spans hosts (comm::WireAllreduce), each bucket crosses hosts in it (Note
+// [Low-precision wire] in shm/wire_codec.h); on a group that does not, no bucket
+// crosses a host and the wire changes nothing.
 class AllreduceSumHook final : public CommHook {
  public:
-  AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline);
+  AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline, comm::Wire wire = {});
+  // The wire the buckets cross hosts in: `wire`, or fp32 where the group's backend
+  // offers no low-precision all-reduce.
+  const comm::Wire& wire() const { return wire_; }
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return true; }
@@ -81,6 +87,8 @@ class AllreduceSumHook final : public CommHook {
   bool inline_failed_ = false;
   c10::intrusive_ptr<c10d::Backend> backend_;  // keeps bucket_ops_ alive
   comm::BucketAllreduce* bucket_ops_ = nullptr;    // what backend_ offers, if it does
+  comm::WireAllreduce* wire_ops_ = nullptr;        // with a low-precision wire, likewise
+  comm::Wire wire_;
   FuturePtr step_label_;  // begin_step's exchange, until the next run takes it
 };
 

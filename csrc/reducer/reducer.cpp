@@ -72,9 +72,16 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK_VALUE(!params_.empty(), "Reducer: no parameters that require grad");
   TORCH_CHECK_VALUE(names_.size() == params_.size(), "Reducer: ", names_.size(), " names for ",
                     params_.size(), " parameters");
-  hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives);
+  hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
+                                             comm::Wire::parse(options_.wire,
+                                                               options_.wire_error_feedback));
   rebuild_buckets(assignment);
   install_hooks();
+}
+
+std::string Reducer::wire() const {
+  const auto* sum = dynamic_cast<const AllreduceSumHook*>(hook_.get());
+  return sum != nullptr ? sum->wire().name() : "hook";
 }
 
 Reducer::~Reducer() {

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import DDPConfig
-from ..shm import hierarchical_group, same_host_group
+from ..shm import hierarchical_group, hierarchy, host_layout, same_host_group
 
 _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
     "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "
@@ -32,11 +32,25 @@ def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig,
     spanning hosts with several ranks on each a hierarchical "pycomm" group
     (config.hierarchical_allreduce); anything else, CUDA parameters on a Gloo group
     included (the shared-memory backend reduces host memory only), keeps `process_group`."""
+    wire = config.wire != "fp32"
+    if wire and device.type != "cpu":
+        raise ValueError(f"DDPConfig(wire={config.wire!r}) sends CPU gradients across hosts "
+                         f"through pycomm's hierarchical all-reduce; these parameters are on "
+                         f"{device} (use wire='fp32', or torch's bf16_compress_hook)")
     if not config.shared_memory_gradients or device.type != "cpu":
         return process_group
     group = same_host_group(process_group)
     if group is None and config.hierarchical_allreduce:
-        group = hierarchical_group(process_group)
+        group = hierarchical_group(process_group, one_rank_per_host=wire)
+    if wire and group is None and dist.get_world_size(process_group) > 1:
+        layout = host_layout(process_group).describe()
+        raise ValueError(f"DDPConfig(wire={config.wire!r}) needs a CPU Gloo group whose hosts "
+                         f"each hold the same number of ranks ({layout}), for the "
+                         f"hierarchical all-reduce that carries it")
+    if wire and (group is None or hierarchy(group) is None):
+        warnings.warn(f"DDPConfig(wire={config.wire!r}): every rank of the group runs on "
+                      f"this host, so no gradient crosses a host and none is sent as "
+                      f"{config.wire} (ddp.reducer.wire is 'fp32')", UserWarning, stacklevel=4)
     return group or process_group
 
 

@@ -221,6 +221,11 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
         if self._sync.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
+        if self.config.wire != "fp32":
+            raise RuntimeError(f"register_comm_hook: this DDP sends its gradients across hosts "
+                               f"as DDPConfig(wire={self.config.wire!r}) says, and a comm "
+                               f"hook would decide that itself: use one or the other "
+                               f"(wire='fp32' with a hook)")
         self.reducer.register_comm_hook(state, hook)
         self._sync.comm_hook = (state, hook)
 
@@ -260,6 +265,13 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         gradients reduced where they are, which the optimizer switches on
         (reducer.set_comm_hook_in_place). Also between steps after training began (See
         Note [Wrapped after the optimizer] in pycomm/zero/binding.py)."""
+        if self.config.wire != "fp32":
+            raise NotImplementedError(f"ZeroRedundancyOptimizer(release_gradients=True) on "
+                                      f"a pycomm DDP with DDPConfig(wire="
+                                      f"{self.config.wire!r}): its reduce-scatter does not "
+                                      f"yet carry a low-precision wire; keep the gradients "
+                                      f"(release_gradients=False, the default: the DDP's "
+                                      f"all-reduce carries the wire) or use wire='fp32'")
         if self._sync.comm_hook is not None:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "

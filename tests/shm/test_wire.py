@@ -3,9 +3,11 @@
 as hosts by their host identity (as in test_hierarchical_on_one_host.py): the sums are
 float32 (bit for bit the order the note gives, on inputs where summing in bf16 would
 round), every rank ends with the same bits, int8's error stays within its bound and error
-feedback cancels it over steps."""
+feedback cancels it over steps; and DDP's option, its refusals and its report."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ import torch.distributed as dist
 import pycomm
 import pycomm.shm
 from tests.shm.test_hierarchical_on_one_host import _pretend_hosts
+from tests.support.ddp_models import build
 from tests.support.multirank import run_ranks
 
 
@@ -164,8 +167,69 @@ def test_a_nonfinite_gradient_stays_nonfinite():
 def test_wire_names_are_checked():
     assert pycomm._C.wire_name("int8", True) == "int8+ef"
     with pytest.raises(ValueError, match="wire must be 'fp32', 'bf16' or 'int8'.*'fp16'"):
-        pycomm._C.wire_name("fp16")
+        pycomm.DDPConfig(wire="fp16")
     with pytest.raises(ValueError, match="wire_error_feedback needs wire='int8'"):
-        pycomm._C.wire_name("bf16", True)
+        pycomm.DDPConfig(wire="bf16", wire_error_feedback=True)
+    with pytest.raises(ValueError, match="hierarchical_allreduce=True"):
+        pycomm.DDPConfig(wire="bf16", hierarchical_allreduce=False)
     assert pycomm._C.wire_bytes("int8", 512) == 2 * 4 + 512
     assert pycomm._C.wire_bytes("bf16", 3) == 8
+
+
+def _ddp_wire(rank, world, per_host, wire, feedback):
+    _pretend_hosts(rank, per_host)
+    torch.manual_seed(0)
+    ours = pycomm.DistributedDataParallel(
+        build("mlp"), config=pycomm.DDPConfig(bucket_cap_mb=0.002, wire=wire,
+                                              wire_error_feedback=feedback))
+    torch.manual_seed(0)
+    exact = pycomm.DistributedDataParallel(build("mlp"),
+                                           config=pycomm.DDPConfig(bucket_cap_mb=0.002))
+    assert ours.reducer.wire == wire + ("+ef" if feedback else "")
+    assert exact.reducer.wire == "fp32"
+    assert len(ours.reducer.bucket_indices()) > 1
+    for step in range(3):
+        x = torch.randn(8, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        for model in (ours, exact):
+            model.zero_grad()
+            model(x).pow(2).mean().backward()
+        for (name, a), b in zip(ours.module.named_parameters(), exact.module.parameters()):
+            assert all(torch.equal(t, a.grad) for t in _gathered(a.grad, world)), name
+            rel = ((a.grad - b.grad).norm() / b.grad.norm()).item()
+            assert rel < (0.01 if wire == "bf16" else 0.15), (name, rel)
+    with pytest.raises(RuntimeError, match="register_comm_hook.*wire="):
+        ours.register_comm_hook(None, lambda s, b: None)
+    # The sharded optimizer with its gradients kept steps on what the wire delivered;
+    # released, its reduce-scatter would replace the all-reduce: refused.
+    zero = pycomm.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-3)
+    ours.zero_grad()
+    ours(torch.randn(8, 8)).pow(2).mean().backward()
+    zero.step()
+    zero.wait_for_params()
+    for p in ours.module.parameters():
+        assert all(torch.equal(t, p) for t in _gathered(p.detach(), world))
+    with pytest.raises(NotImplementedError, match="release_gradients=True.*wire="):
+        pycomm.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-3,
+                                       release_gradients=True)
+
+
+@pytest.mark.parametrize("per_host,wire,feedback", [([2, 2], "bf16", False),
+                                                    ([2, 2], "int8", True),
+                                                    ([1, 1], "int8", False)],
+                         ids=["2x2-bf16", "2x2-int8+ef", "2x1-int8"])
+def test_ddp_sends_gradients_in_the_wire(per_host, wire, feedback):
+    run_ranks(_ddp_wire, world_size=sum(per_host), per_host=per_host, wire=wire,
+              feedback=feedback)
+
+
+def _one_host(rank, world):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = pycomm.DistributedDataParallel(build("mlp"),
+                                             config=pycomm.DDPConfig(wire="bf16"))
+    assert any("no gradient crosses a host" in str(w.message) for w in caught)
+    assert ddp.reducer.wire == "fp32"
+
+
+def test_on_one_host_the_wire_changes_nothing_and_says_so():
+    run_ranks(_one_host, world_size=2)
