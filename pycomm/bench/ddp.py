@@ -46,6 +46,29 @@ from .collectives import UsageError
 from .collectives_run import _progress as _status_line
 from .models import MODELS, build_model, per_rank
 
+
+def _bf16_compress(group, bucket):  # no annotations: torch checks them by identity
+    """torch's bf16_compress_hook step for step (cast to bf16, divide by the world, sum
+    all-reduce in bf16 over the group, copy back), which torch's DDP refuses to register
+    unless NCCL runs it (its check goes by the hook's name): the anchor on Gloo."""
+    buffer = bucket.buffer()
+    world = dist.get_world_size(group)
+    compressed = buffer.to(torch.bfloat16).div_(world)
+    future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(decompress)
+
+
+def _bf16_hooked(module, **kw):
+    ddp = TorchDDP(module, **kw)
+    ddp.register_comm_hook(None, _bf16_compress)
+    return ddp
+
+
 IMPLS = {
     "torch": TorchDDP,
     "pycomm": PycommDDP,
@@ -69,6 +92,14 @@ IMPLS = {
     # pycomm without the hierarchical all-reduce across hosts (flat Gloo, as torch's).
     "pycomm_flat": lambda m, **kw: PycommDDP(m, config=DDPConfig(hierarchical_allreduce=False,
                                                                  **kw)),
+    # What crosses hosts (DDPConfig.wire, Note [Low-precision wire] in
+    # csrc/shm/wire_codec.h): bf16, int8 and int8 with error feedback, summed in float32;
+    # torch's anchor casts to bf16 and all-reduces in it (its bf16_compress_hook).
+    "pycomm_wire_bf16": lambda m, **kw: PycommDDP(m, config=DDPConfig(wire="bf16", **kw)),
+    "pycomm_wire_int8": lambda m, **kw: PycommDDP(m, config=DDPConfig(wire="int8", **kw)),
+    "pycomm_wire_int8_ef": lambda m, **kw: PycommDDP(
+        m, config=DDPConfig(wire="int8", wire_error_feedback=True, **kw)),
+    "torch_bf16_hook": _bf16_hooked,
     # Sharded data parallelism (sharded.py): pycomm's ZeroRedundancyOptimizer on its DDP
     # (gradients kept, or released), torch's on torch's DDP, FSDP2. The default set with
     # --optimizer adamw.
