@@ -137,12 +137,26 @@ def _recorded_buckets(raw: Mapping[str, Any]) -> list[tuple[int, int, tuple[int,
             for b in sorted(raw["buckets"], key=lambda b: b["index"])]
 
 
-def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int) -> list[SimBucket]:
+def wire_ratio(wire: str, nbytes: int) -> float:
+    """Bytes a float32 bucket of `nbytes` takes on the wire (DDPConfig.wire) per byte of
+    its own: 1 for "fp32", 0.5 for "bf16", about 0.254 for "int8" (its scales included).
+    The sizes are csrc/shm/wire_codec.cpp's, read through the extension."""
+    from .. import _C
+
+    if wire == "fp32" or nbytes < 4:
+        _C.wire_name(wire)  # a misspelt wire is an error here too
+        return 1.0
+    return _C.wire_bytes(wire, nbytes // 4) / nbytes
+
+
+def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int,
+              wire: str = "fp32") -> list[SimBucket]:
     out, launch, free = [], float("-inf"), float("-inf")
     for k, (ready_ns, nbytes, params) in enumerate(buckets):
         launch = max(float(ready_ns - t0), launch)
         start = max(launch, free)
-        free = start + model.allreduce_s(nbytes, world_size) / _NS
+        sent = nbytes * wire_ratio(wire, nbytes)
+        free = start + model.allreduce_s(sent, world_size) / _NS
         out.append(SimBucket(k, nbytes, params, (ready_ns - t0) * _NS, launch * _NS,
                              start * _NS, free * _NS))
     return out
@@ -150,11 +164,14 @@ def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int) -> list[SimBu
 
 def replay(step: StepReport | Mapping[str, Any], model: AlphaBeta, world_size: int, *,
            cap_bytes: Optional[int] = None, first_cap_bytes: Optional[int] = None,
-           param_nbytes: Optional[Sequence[int]] = None) -> Prediction:
+           param_nbytes: Optional[Sequence[int]] = None, wire: str = "fp32") -> Prediction:
     """Predict a recorded step (a StepReport or its raw timeline) at `world_size` ranks on
     `model`'s network, with the recorded buckets or, given `cap_bytes` (and the parameters'
-    sizes), re-cut ones. See Note [Replay rules]. Times are kept in ns internally (the
-    clock's unit)."""
+    sizes), re-cut ones. `wire` (DDPConfig.wire) is what the float32 buckets cross the
+    network in: each bucket's bandwidth term shrinks by wire_ratio, its latency stays.
+    For the hierarchical all-reduce across hosts, `world_size` is the number of hosts and
+    `model` the link between them. See Note [Replay rules]. Times are kept in ns
+    internally (the clock's unit)."""
     raw = raw_timeline(step)
     check_timeline(raw)
     if cap_bytes is not None and param_nbytes is None:
@@ -163,7 +180,7 @@ def replay(step: StepReport | Mapping[str, Any], model: AlphaBeta, world_size: i
     t0 = raw["backward_start_ns"]
     buckets = (rebucket(raw, param_nbytes, cap_bytes, first_cap_bytes) if cap_bytes
                else _recorded_buckets(raw))
-    sim = _schedule(buckets, model, world_size, t0)
+    sim = _schedule(buckets, model, world_size, t0, wire)
     last = last_ready_ns(raw) - t0
     fin_start = raw["finalize_start_ns"] - t0
     recorded_done = max(b["done_ns"] for b in raw["buckets"]) - t0

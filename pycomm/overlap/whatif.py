@@ -26,11 +26,12 @@ class WhatIf:
 def what_if(raw: Mapping[str, Any], networks: Mapping[str, AlphaBeta],
             world_sizes: Sequence[int], caps: Sequence[Optional[int]] = (None,), *,
             param_nbytes: Optional[Sequence[int]] = None,
-            first_cap_bytes: Optional[int] = None) -> list[WhatIf]:
-    """Replay `raw` for every (network, world size, cap); cap None keeps the recorded buckets."""
+            first_cap_bytes: Optional[int] = None, wire: str = "fp32") -> list[WhatIf]:
+    """Replay `raw` for every (network, world size, cap); cap None keeps the recorded
+    buckets; `wire` is what the buckets cross the network in (DDPConfig.wire)."""
     return [WhatIf(name, n, cap, replay(raw, model, n, cap_bytes=cap,
                                         first_cap_bytes=first_cap_bytes if cap else None,
-                                        param_nbytes=param_nbytes))
+                                        param_nbytes=param_nbytes, wire=wire))
             for name, model in networks.items() for n in world_sizes for cap in caps]
 
 

@@ -61,6 +61,20 @@ def test_hand_computed_two_bucket_replay():
     assert (_ms(p.backward_s), _ms(p.finalize_s)) == (19, 6.5)
 
 
+def test_hand_computed_replay_with_a_low_precision_wire():
+    # bf16 halves the bandwidth term, keeps the latency: b0 1 + 2 ms (10..13), b1 1 + 1 ms
+    # (13..15). int8 sends a byte per element and a 4-byte scale per 256: b0's 1,000,000
+    # elements as 1,000,000 + 4 x 3,907 = 1,015,628 bytes.
+    p = replay(two_bucket_timeline(), HAND, world_size=2, wire="bf16")
+    assert [(_ms(b.start_s), _ms(b.done_s)) for b in p.buckets] == [(10, 13), (13, 15)]
+    p = replay(two_bucket_timeline(), HAND, world_size=2, wire="int8")
+    assert _ms(p.buckets[0].done_s) == pytest.approx(10 + 1 + 1.015628, abs=1e-6)
+    assert replay(two_bucket_timeline(), HAND, 2, wire="fp32") == replay(
+        two_bucket_timeline(), HAND, 2)
+    with pytest.raises(ValueError, match="wire must be 'fp32', 'bf16' or 'int8'"):
+        replay(two_bucket_timeline(), HAND, 2, wire="fp8")
+
+
 def test_hand_computed_replay_at_four_ranks_on_a_ring():
     # L(4) = 6 steps of 0.5 ms = 3 ms; factor 1.5: b0 3 + 6 = 9 ms (10..19), b1 3 + 3 = 6 ms
     # (19..25); exposed 25 - 12 = 13 of comm 15.
