@@ -50,8 +50,7 @@ int64_t wire_bytes(comm::WireDtype dtype, int64_t n);
 
 // dst <- the wire form of src[0, n). With `residual` (int8 only): src[i] + residual[i] is
 // encoded, and residual[i] becomes what the encoding lost of it.
-void wire_encode(comm::WireDtype dtype, const float* src, int64_t n, uint8_t* dst,
-                 float* residual);
+void wire_encode(comm::WireDtype dtype, const float* src, int64_t n, uint8_t* dst, float* residual);
 
 // out[0, n) = the values src encodes (add: out[i] += them, in float32).
 void wire_decode(comm::WireDtype dtype, const uint8_t* src, int64_t n, float* out, bool add);
