@@ -307,15 +307,20 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allgather(std::vector<std::vector<at:
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                            const c10d::AllgatherOptions& opts) {
-  check_dense("all_gather_into_tensor", input);
-  check_like("all_gather_into_tensor", output, input, input.numel() * size_);
-  TORCH_CHECK_VALUE(output.is_contiguous(),
-                    "pycomm all_gather_into_tensor: the output tensor must be contiguous");
+  return all_gather_tensor_as("all_gather_into_tensor", output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::all_gather_tensor_as(
+    const char* op, at::Tensor& output, at::Tensor& input, const c10d::AllgatherOptions& opts) {
+  check_dense(op, input);
+  check_like(op, output, input, input.numel() * size_);
+  TORCH_CHECK_VALUE(output.is_contiguous(), "pycomm ", op,
+                    ": the output tensor must be contiguous");
   at::Tensor flat = output.reshape({-1});
   std::vector<at::Tensor> blocks;
   for (int r = 0; r < size_; ++r)
     blocks.push_back(flat.narrow(0, r * input.numel(), input.numel()));
-  return gather_into("all_gather_into_tensor", blocks, input, opts);
+  return gather_into(op, blocks, input, opts);
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(
@@ -368,12 +373,18 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::_reduce_scatter_base(
     at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) {
-  check_dense("reduce_scatter_tensor", output);
-  check_like("reduce_scatter_tensor", input, output, output.numel() * size_);
-  check_reduction("reduce_scatter_tensor", output.scalar_type(), opts.reduceOp);
+  return reduce_scatter_tensor_as("reduce_scatter_tensor", output, input, opts);
+}
+
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_as(
+    const char* name, at::Tensor& output, at::Tensor& input,
+    const c10d::ReduceScatterOptions& opts) {
+  check_dense(name, output);
+  check_like(name, input, output, output.numel() * size_);
+  check_reduction(name, output.scalar_type(), opts.reduceOp);
   auto op = opts.reduceOp.op_;
   return enqueue(
-      "reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+      name, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
       [this, output, input, op](const OpContext& c) {
         Dense in(input), out(output);
         channel_->reduce_scatter(in.data(), out.data(), output.numel(), output.scalar_type(), op,

@@ -114,6 +114,14 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   // Counters since the group was created: how operations ran and how their waits ended
   // (See Note [Adaptive spin] and Note [Waiting helps]); pycomm.shm.stats() documents them.
   std::map<std::string, int64_t> stats() const;
+  // _reduce_scatter_base and _allgather_base under the name `op` (a string literal) in
+  // errors and the flight record: the hierarchical all-reduce's phases name their wire.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_as(const char* op, at::Tensor& output,
+                                                          at::Tensor& input,
+                                                          const c10d::ReduceScatterOptions& opts);
+  c10::intrusive_ptr<c10d::Work> all_gather_tensor_as(const char* op, at::Tensor& output,
+                                                      at::Tensor& input,
+                                                      const c10d::AllgatherOptions& opts);
   // This rank's last operations on the group (See Note [Flight recorder] in flight.cpp).
   std::vector<FlightEntry> flight_record() const { return flight_.entries(); }
   // Write them as JSON to `path`.

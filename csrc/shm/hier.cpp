@@ -32,6 +32,22 @@ void wait_phase(const char* op, uint64_t seq, const std::string& detail, int ran
   }
 }
 
+// The names the shared-memory phases of a hierarchical all-reduce carry in errors and the
+// flight record: the plain operations', or with the wire the all-reduce crosses hosts in.
+std::pair<const char*, const char*> local_phase_names(const comm::Wire& wire) {
+  switch (wire.dtype) {
+    case comm::WireDtype::kFloat32: return {"reduce_scatter_tensor", "all_gather_into_tensor"};
+    case comm::WireDtype::kBFloat16:
+      return {"reduce_scatter_tensor[wire=bf16]", "all_gather_into_tensor[wire=bf16]"};
+    case comm::WireDtype::kInt8:
+      return wire.error_feedback ? std::make_pair("reduce_scatter_tensor[wire=int8+ef]",
+                                                  "all_gather_into_tensor[wire=int8+ef]")
+                                 : std::make_pair("reduce_scatter_tensor[wire=int8]",
+                                                  "all_gather_into_tensor[wire=int8]");
+  }
+  return {"reduce_scatter_tensor", "all_gather_into_tensor"};
+}
+
 // One hierarchical all-reduce of `flat` (See Note [Hierarchical pipeline]): blocks of L
 // pieces, each reduce-scattered within the host, its piece all-reduced across hosts on
 // Gloo's threads while the next block is reduce-scattered, then all-gathered within the
@@ -47,7 +63,7 @@ class BlockPipeline {
 
   // With a low-precision `wire` (a float32 tensor and a sum), each block's piece crosses
   // hosts as Note [Low-precision wire] says, its error-feedback residuals in `residual`.
-  BlockPipeline(Where where, at::Tensor flat, c10d::Backend& local, c10d::Backend& cross,
+  BlockPipeline(Where where, at::Tensor flat, ShmBackend& local, c10d::Backend& cross,
                 c10d::ReduceOp op, int64_t piece_bytes, comm::Wire wire = {},
                 comm::WireResidual* residual = nullptr)
       : where_(where),
@@ -130,7 +146,8 @@ class BlockPipeline {
     k.mine = at::empty({piece}, flat_.options());
     c10d::ReduceScatterOptions rs;
     rs.reduceOp = op_;
-    wait("the reduce-scatter within the host", b, local_._reduce_scatter_base(k.mine, k.whole, rs));
+    wait("the reduce-scatter within the host", b,
+         local_.reduce_scatter_tensor_as(local_phase_names(wire_).first, k.mine, k.whole, rs));
     if (!wire_.exact()) return send_across(b);
     std::vector<at::Tensor> across{k.mine};
     c10d::AllreduceOptions ar;
@@ -194,14 +211,15 @@ class BlockPipeline {
       }
     }
     c10d::AllgatherOptions ag;
-    wait("the all-gather within the host", b, local_._allgather_base(k.whole, k.mine, ag));
+    wait("the all-gather within the host", b,
+         local_.all_gather_tensor_as(local_phase_names(wire_).second, k.whole, k.mine, ag));
     if (!k.whole.is_same(k.user)) k.user.copy_(k.whole.narrow(0, 0, k.user.numel()));
     k = Block{};  // the block's buffers go as soon as it is done
   }
 
   const Where where_;
   const at::Tensor flat_;
-  c10d::Backend& local_;
+  ShmBackend& local_;
   c10d::Backend& cross_;
   const c10d::ReduceOp op_;
   const comm::Wire wire_;

@@ -197,6 +197,10 @@ def _ddp_wire(rank, world, per_host, wire, feedback):
             assert all(torch.equal(t, a.grad) for t in _gathered(a.grad, world)), name
             rel = ((a.grad - b.grad).norm() / b.grad.norm()).item()
             assert rel < (0.01 if wire == "bf16" else 0.15), (name, rel)
+    # The flight record's entries for the shared-memory phases name the wire.
+    name = wire + ("+ef" if feedback else "")
+    ops = {e["op"] for e in pycomm.shm.flight_record(ours.gradient_group)}
+    assert {f"reduce_scatter_tensor[wire={name}]", f"all_gather_into_tensor[wire={name}]"} <= ops
     with pytest.raises(RuntimeError, match="register_comm_hook.*wire="):
         ours.register_comm_hook(None, lambda s, b: None)
     # The sharded optimizer with its gradients kept steps on what the wire delivered;
