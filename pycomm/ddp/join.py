@@ -46,7 +46,15 @@ def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool, hand_over: bool) -
         pending.append(dist.all_reduce(torch.zeros(labels, dtype=torch.int64), group=group,
                                        async_op=True))
     buckets = reducer.zeros_like_grad_buckets()
-    if sync.comm_hook is None:
+    wire = reducer.wire.split("+")[0]
+    if sync.comm_hook is None and wire not in ("fp32", "hook"):
+        # the running ranks' buckets cross hosts in the wire (DDPConfig.wire): the same
+        # collectives, queued behind the label exchange; zeros need no error feedback
+        backend = group._get_backend(sync.device)
+        for b in buckets:
+            backend.allreduce_wire(b.buffer(), wire)
+        results = [b.buffer() for b in buckets]
+    elif sync.comm_hook is None:
         pending += [dist.all_reduce(b.buffer(), group=group, async_op=True) for b in buckets]
         results = [b.buffer() for b in buckets]
     else:

@@ -7,6 +7,9 @@ feedback cancels it over steps; and DDP's option, its refusals and its report.""
 
 from __future__ import annotations
 
+import copy
+import os
+import time
 import warnings
 
 import pytest
@@ -237,3 +240,69 @@ def _one_host(rank, world):
 
 def test_on_one_host_the_wire_changes_nothing_and_says_so():
     run_ranks(_one_host, world_size=2)
+
+
+def _twin(base, wire):
+    return pycomm.DistributedDataParallel(
+        copy.deepcopy(base), config=pycomm.DDPConfig(bucket_cap_mb=0.002, wire=wire))
+
+
+def _features(rank, world):
+    """The wire under DDP's features, against the same DDP in float32 on the same inputs:
+    no_sync accumulation, the DDP's clip from bucket norms, join with uneven inputs and
+    torch.compile; every rank ends with the same bits, and the gradients and parameters
+    within the wire's rounding of float32's."""
+    _pretend_hosts(rank, [2, 2])
+    torch.manual_seed(0)
+    base = build("mlp")
+    models = {w: _twin(base, w) for w in ("bf16", "fp32")}
+    opts = {w: torch.optim.SGD(m.parameters(), lr=0.1) for w, m in models.items()}
+    for w, m in models.items():
+        x = [torch.randn(8, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+             for i in range(3)]
+        with m.no_sync():  # accumulated locally: nothing crosses
+            m(x[0]).pow(2).mean().backward()
+        m(x[1]).pow(2).mean().backward()
+        norm = m.clip_grad_norm_(0.01)
+        assert norm > 0.01, "the test must clip"
+        opts[w].step()
+        # join: rank 3 runs out of batches first, the others shadow nothing it misses
+        with m.join():
+            for step in range(2 + (rank < 3)):
+                opts[w].zero_grad()
+                m(x[step]).pow(2).mean().backward()
+                opts[w].step()
+    for (name, a), b in zip(models["bf16"].module.named_parameters(),
+                            models["fp32"].module.parameters()):
+        assert all(torch.equal(t, a) for t in _gathered(a.detach(), world)), name
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3, msg=name)
+    # torch.compile: the compiled module's buckets cross in the wire too
+    compiled = torch.compile(models["bf16"], backend="aot_eager")
+    models["bf16"].zero_grad()
+    compiled(torch.randn(8, 8)).pow(2).mean().backward()
+    assert models["bf16"].reducer.wire == "bf16"
+    for p in models["bf16"].module.parameters():
+        assert all(torch.equal(t, p.grad) for t in _gathered(p.grad, world))
+
+
+def test_wire_with_no_sync_clip_join_and_compile():
+    run_ranks(_features, world_size=4)
+
+
+def _host_dies(rank, world):
+    """Host 1's first rank exits during a wire all-reduce: every other rank's fails within
+    the group timeout, naming the wire, the hierarchy and the phase."""
+    _, backend = _wire_backend(rank, [2, 2])
+    backend.allreduce_wire(torch.ones(1000), "bf16")  # a healthy one first
+    big = torch.ones(8 << 20)
+    if rank == 2:
+        os._exit(0)  # exit code 0: the launcher lets the other ranks go on
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"pycomm all_reduce\[wire=bf16\] #\d+ "
+                                           r"\(hierarchical.*on rank \d \(host \d of 2"):
+        backend.allreduce_wire(big, "bf16")
+    assert time.monotonic() - start < 30
+
+
+def test_a_dead_host_is_named_in_the_wire_all_reduce():
+    run_ranks(_host_dies, world_size=4, group_timeout_s=15)
