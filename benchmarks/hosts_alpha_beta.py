@@ -9,6 +9,11 @@ For each rate: make 2 hosts joined by a link shaped to that rate (pycomm/testing
    predicted backward should be the measured one.
 
     python benchmarks/hosts_alpha_beta.py --rates 1,10 [--json out.json]    # as root
+    python benchmarks/hosts_alpha_beta.py --rates 1 --wires fp32,bf16,int8 --ranks-per-host 2
+
+With --wires each DDP run sends its buckets across in that DDPConfig.wire, and its steps
+are replayed with the same wire (pycomm.overlap.replay(..., wire=)), at 2 hosts of
+--ranks-per-host ranks.
 
 The rate under tbf counts Ethernet frames; a TCP stream carries about 94-97% of it as
 payload (headers, ACKs), which the fit sees as a lower bus bandwidth. There is no added
@@ -41,13 +46,15 @@ from pycomm.testing.hosts import Hosts, available
 STEPS, SKIP = 8, 3  # DDP steps per run; the first SKIP (bucket rebuild, warm-up) not judged
 
 
-def _ddp_rank(rank: int, world_size: int, steps: int) -> list[dict]:
+def _ddp_rank(rank: int, world_size: int, steps: int, wire: str = "fp32") -> list[dict]:
     import pycomm
     from pycomm.bench.models import build_model
 
     torch.set_num_threads(1)
     module, x = build_model("mlp")
-    ddp = pycomm.DistributedDataParallel(module, bucket_cap_mb=25.0)
+    ddp = pycomm.DistributedDataParallel(
+        module, config=pycomm.DDPConfig(bucket_cap_mb=25.0, wire=wire,
+                                        wire_error_feedback=wire == "int8"))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
     for _ in range(steps):
         opt.zero_grad()
@@ -90,7 +97,8 @@ def _tcp_probe(rank: int, world_size: int, addrs: list[str], seconds: float) -> 
     return got * 8 / (window[1] - window[0]) / 1e9
 
 
-def validate(rate_gbit: float, tmp: str, probe_s: float = 2.0) -> dict:
+def validate(rate_gbit: float, tmp: str, probe_s: float = 2.0, wires: tuple = ("fp32",),
+             ranks_per_host: int = 1) -> dict:
     out = os.path.join(tmp, f"collectives_{rate_gbit:g}.json")
     with Hosts(2, link_gbit=rate_gbit) as hosts:
         addrs = [hosts.addr(0), hosts.addr(1)]
@@ -100,19 +108,23 @@ def validate(rate_gbit: float, tmp: str, probe_s: float = 2.0) -> dict:
         hosts.run([sys.executable, "-m", "pycomm.bench", "collectives", "all_reduce",
                    "-b", "1M", "-e", "64M", "-w", "2", "-n", "5", "--backend", "gloo",
                    "--json", out], timeout=900)
-        ranks = hosts.run("benchmarks.hosts_alpha_beta:_ddp_rank", kwargs={"steps": STEPS},
-                          timeout=900,
-                          group_timeout_s=300)
+        runs = {wire: hosts.run("benchmarks.hosts_alpha_beta:_ddp_rank",
+                                kwargs={"steps": STEPS, "wire": wire}, timeout=900,
+                                ranks_per_host=ranks_per_host, group_timeout_s=300)
+                for wire in wires}
     samples = load_collectives_json(out)
     model = fit_alpha_beta(samples)
     fitted_gbit = model.busbw_Bps * 8 / 1e9
     rows = []
-    for r in ranks:
-        for raw in r.value:
-            measured = (raw["finalize_end_ns"] - raw["backward_start_ns"]) * 1e-9
-            predicted = replay(raw, model, world_size=2).backward_s
-            rows.append({"rank": r.rank, "step": raw["step"], "measured_s": measured,
-                         "predicted_s": predicted, "error": predicted / measured - 1})
+    for wire, ranks in runs.items():
+        for r in ranks:
+            for raw in r.value:
+                measured = (raw["finalize_end_ns"] - raw["backward_start_ns"]) * 1e-9
+                # across 2 hosts: the link is the model's, the hosts its world
+                predicted = replay(raw, model, world_size=2, wire=wire).backward_s
+                rows.append({"wire": wire, "rank": r.rank, "step": raw["step"],
+                             "measured_s": measured, "predicted_s": predicted,
+                             "error": predicted / measured - 1})
     return {"link_gbit": rate_gbit, "fit": {"alpha_us": model.alpha_s * 1e6,
                                             "busbw_gbit": fitted_gbit},
             "rate_error": fitted_gbit / rate_gbit - 1,
@@ -131,6 +143,10 @@ def main() -> int:
     p.add_argument("--rates", default="1,10", help="link rates in Gbit/s, comma-separated")
     p.add_argument("--probe-s", type=float, default=2.0,
                    help="seconds of the TCP probe of each link (default 2)")
+    p.add_argument("--wires", default="fp32",
+                   help="DDPConfig.wire values the DDP runs take, comma-separated (int8 with "
+                        "error feedback); each step is replayed with its wire")
+    p.add_argument("--ranks-per-host", type=int, default=1)
     p.add_argument("--json", default=None)
     ns = p.parse_args()
     reason = available()
@@ -141,7 +157,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="pycomm-ab-") as tmp:
         for rate in (float(r) for r in ns.rates.split(",")):
             load = os.getloadavg()
-            res = validate(rate, tmp, ns.probe_s)
+            res = validate(rate, tmp, ns.probe_s, tuple(ns.wires.split(",")),
+                           ns.ranks_per_host)
             res["load_before"] = load
             res["load_after"] = os.getloadavg()
             results.append(res)
@@ -154,8 +171,12 @@ def main() -> int:
                   f"{res['median_step_error']:.1%}, worst {res['worst_step_error']:.1%} over "
                   f"{len(res['steps'])} rank-steps (load {load[0]:.1f} -> "
                   f"{res['load_after'][0]:.1f})", flush=True)
+            for wire in ns.wires.split(","):
+                errs = sorted(abs(x["error"]) for x in res["steps"] if x["wire"] == wire)
+                print(f"  wire {wire}: median |error| {errs[len(errs) // 2]:.1%}, worst "
+                      f"{errs[-1]:.1%} over {len(errs)} rank-steps", flush=True)
             for row in res["steps"]:
-                print(f"  rank {row['rank']} step {row['step']}: measured "
+                print(f"  wire {row['wire']} rank {row['rank']} step {row['step']}: measured "
                       f"{row['measured_s'] * 1e3:.1f} ms, predicted "
                       f"{row['predicted_s'] * 1e3:.1f} ms ({row['error']:+.1%})", flush=True)
     if ns.json:
