@@ -216,6 +216,10 @@ class DDPConfig:
         from . import _C  # the wire's names have one owner, csrc/comm/wire.cpp
 
         _C.wire_name(self.wire, self.wire_error_feedback)
+        if self.wire != "fp32" and self.grad_reduce_dtype == torch.float64:
+            raise ValueError(f"wire={self.wire!r} sends float32, bfloat16 and float16 "
+                             f"gradients; grad_reduce_dtype=torch.float64 makes float64 "
+                             f"buckets (use wire='fp32' with it)")
         if self.wire != "fp32" and not (self.shared_memory_gradients
                                         and self.hierarchical_allreduce):
             raise ValueError(f"wire={self.wire!r} crosses hosts through the hierarchical "

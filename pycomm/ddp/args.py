@@ -42,7 +42,8 @@ def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig,
     group = same_host_group(process_group)
     if group is None and config.hierarchical_allreduce:
         group = hierarchical_group(process_group, one_rank_per_host=wire)
-    if wire and group is None and dist.get_world_size(process_group) > 1:
+    if (wire and group is None and dist.get_world_size(process_group) > 1
+            and len(host_layout(process_group).hosts) > 1):
         layout = host_layout(process_group).describe()
         raise ValueError(f"DDPConfig(wire={config.wire!r}) needs a CPU Gloo group whose hosts "
                          f"each hold the same number of ranks ({layout}), for the "

@@ -221,7 +221,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
             raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
         if self._sync.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
-        if self.config.wire != "fp32":
+        if self.reducer.wire not in ("fp32", "hook"):
             raise RuntimeError(f"register_comm_hook: this DDP sends its gradients across hosts "
                                f"as DDPConfig(wire={self.config.wire!r}) says, and a comm "
                                f"hook would decide that itself: use one or the other "
@@ -265,7 +265,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         gradients reduced where they are, which the optimizer switches on
         (reducer.set_comm_hook_in_place). Also between steps after training began (See
         Note [Wrapped after the optimizer] in pycomm/zero/binding.py)."""
-        if self.config.wire != "fp32":
+        if self.reducer.wire not in ("fp32", "hook"):
             raise NotImplementedError(f"ZeroRedundancyOptimizer(release_gradients=True) on "
                                       f"a pycomm DDP with DDPConfig(wire="
                                       f"{self.config.wire!r}): its reduce-scatter does not "
