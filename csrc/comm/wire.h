@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace pycomm::comm {
 
@@ -34,6 +35,9 @@ struct Wire {
 struct WireResidual {
   std::mutex mutex;  // one all-reduce of the tensor at a time reads and writes them
   at::Tensor sent, summed;
+  // The layout they were made for (the backend's: blocks, elements per rank's piece,
+  // hosts); another layout starts them again from zero.
+  std::vector<int64_t> layout;
 };
 
 }  // namespace pycomm::comm

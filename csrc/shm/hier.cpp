@@ -85,11 +85,11 @@ class BlockPipeline {
       // b x chunk_max of the sums' residual.
       const int64_t piece_max = block_max_ / L_, chunk_max = (piece_max + H_ - 1) / H_;
       const auto options = flat_.options().dtype(at::kFloat);
-      if (residual->sent.numel() != blocks_ * piece_max) {
+      std::vector<int64_t> layout{blocks_, piece_max, L_, H_};
+      if (residual->layout != layout) {  // another tensor size, piece or group shape
         residual->sent = at::zeros({blocks_ * piece_max}, options);
-      }
-      if (residual->summed.numel() != blocks_ * chunk_max) {
         residual->summed = at::zeros({blocks_ * chunk_max}, options);
+        residual->layout = std::move(layout);
       }
       sent_residual_ = residual->sent.data_ptr<float>();
       summed_residual_ = residual->summed.data_ptr<float>();
@@ -165,7 +165,7 @@ class BlockPipeline {
     k.received = at::empty({H_ * slot}, bytes);
     const float* mine = k.mine.const_data_ptr<float>();
     uint8_t* sent = k.sent.data_ptr<uint8_t>();
-    for (int64_t h = 0; h < H_; ++h) {
+    for (int64_t h = 0; h < H_ && h * q < piece; ++h) {  // chunks past the piece are empty
       float* residual = sent_residual_ ? sent_residual_ + b * (block_max_ / L_) + h * q : nullptr;
       wire_encode(wire_.dtype, mine + h * q, chunk_len(piece, h), sent + h * slot, residual);
     }
@@ -205,7 +205,7 @@ class BlockPipeline {
       const int64_t slot = wire_bytes(wire_.dtype, q);
       const uint8_t* gathered = k.gathered.const_data_ptr<uint8_t>();
       float* mine = k.mine.data_ptr<float>();
-      for (int64_t h = 0; h < H_; ++h) {
+      for (int64_t h = 0; h < H_ && h * q < piece; ++h) {
         wire_decode(wire_.dtype, gathered + h * slot, chunk_len(piece, h), mine + h * q,
                     /*add=*/false);
       }

@@ -58,14 +58,19 @@ void encode_int8(const float* src, int64_t n, uint8_t* dst, float* residual) {
     }
     float m;
     std::memcpy(&m, &mbits, sizeof(m));
-    const float scale = m / 127.0f;
-    scales[b] = scale;
-    if (m == 0.0f) {
+    const float inv = 127.0f / m;
+    if (!(inv <= std::numeric_limits<float>::max())) {
+      // 0, or so small (below 127 / FLT_MAX, subnormals included) that no scale decodes
+      // it: sent as zeros, and kept whole in the residual when there is one
+      scales[b] = 0.0f;
       std::fill(out, out + len, int8_t{0});
-      if (r) std::fill(r, r + len, 0.0f);  // x + r was 0 throughout: nothing lost
+      if (r) {
+        for (int64_t i = 0; i < len; ++i) r[i] += x[i];
+      }
       continue;
     }
-    const float inv = 127.0f / m;
+    const float scale = m / 127.0f;
+    scales[b] = scale;
     if (r == nullptr) {
       for (int64_t i = 0; i < len; ++i) {
         const float v = (x[i] * inv + kRound) - kRound;

@@ -27,13 +27,13 @@ namespace pycomm::shm {
 // Bytes out of a host, against the float32 all-reduce's 2 (H-1)/H x 4 per element: bf16
 // sends 2 + 2 (0.5x); int8 1 + 1 plus a float32 scale per kInt8Block elements (0.254x).
 // int8 is symmetric, per block of kInt8Block elements: scale = max|x| / 127, q = x / scale
-// rounded to nearest even, so a block's largest element is exact and the others are within
-// scale / 2. The block is 256 elements (1 KiB of float32), the knee measured on real
-// gradients (benchmarks/results/wire_accuracy_cpu.md, one encoding's relative L2 error,
-// a char LM's / the bench transformer's): 64 elements 6.1e-3 / 7.9e-3 at 1.0625 bytes an
-// element, 256 8.3e-3 / 9.3e-3 at 1.0156, 1,024 1.4e-2 / 1.4e-2 at 1.0039. Smaller blocks
-// buy little accuracy for 4.6% more bytes; larger ones let one large value flatten more of
-// its neighbours (a tensor boundary inside a block costs the smaller tensor precision).
+// rounded to nearest even, so a block's largest element maps to +-127 and every element
+// decodes within scale / 2 (plus the float rounding of q x scale). The block is 256 elements (1 KiB
+// of float32), the knee measured on real gradients (benchmarks/results/wire_accuracy_cpu.md, one
+// encoding's relative L2 error, a char LM's / the bench transformer's): 64 elements 6.1e-3 / 7.9e-3
+// at 1.0625 bytes an element, 256 8.3e-3 / 9.3e-3 at 1.0156, 1,024 1.4e-2 / 1.4e-2 at 1.0039.
+// Smaller blocks buy little accuracy for 4.6% more bytes; larger ones let one large value flatten
+// more of its neighbours (a tensor boundary inside a block costs the smaller tensor precision).
 // Error feedback (wire_error_feedback, int8 only): what encoding loses, x - decoded(x), is
 // kept per rank and added to the next step's value before it is encoded, both for the
 // rank's share it sends (step 1) and for the sums it owns (step 3): over steps the losses

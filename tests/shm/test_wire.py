@@ -167,6 +167,46 @@ def test_a_nonfinite_gradient_stays_nonfinite():
     run_ranks(_nonfinite, world_size=2)
 
 
+def _tiny(rank, world):
+    """Blocks whose largest magnitude is below what any float32 scale decodes (127 /
+    FLT_MAX, subnormals included) go as zeros: no nan, no spurious values; with error
+    feedback the residual keeps them whole."""
+    _, backend = _wire_backend(rank, [1, 1])
+    x = torch.zeros(512)
+    x[:256] = 1e-38 * (rank + 1)  # a block of tiny values; the next block zeros
+    y = x.clone()
+    backend.allreduce_wire(y, "int8")
+    assert torch.equal(y, torch.zeros(512)), y[:4]
+    residual = pycomm._C.WireResidual()
+    y = x.clone()
+    backend.allreduce_wire(y, "int8", error_feedback=True, residual=residual)
+    assert torch.equal(y, torch.zeros(512))
+    assert residual.sent.abs().sum().item() > 0 and torch.isfinite(residual.sent).all()
+
+
+def test_int8_blocks_too_small_to_scale_go_as_zeros():
+    run_ranks(_tiny, world_size=2)
+
+
+def _layout(rank, world):
+    """A residual made for one layout restarts when the piece changes it, even where its
+    size stays (4,096 elements at 2 x 2: 2 blocks of 1,024 per rank, then 1 of 2,048)."""
+    _, backend = _wire_backend(rank, [2, 2], piece_bytes=4096)
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(rank))
+    kept = pycomm._C.WireResidual()
+    backend.allreduce_wire(x.clone(), "int8", error_feedback=True, residual=kept)
+    before = kept.sent.clone()
+    backend.piece_bytes = 8192
+    y, z = x.clone(), x.clone()
+    backend.allreduce_wire(y, "int8", error_feedback=True, residual=kept)
+    backend.allreduce_wire(z, "int8", error_feedback=True, residual=pycomm._C.WireResidual())
+    assert kept.sent.numel() == before.numel()
+    assert torch.equal(y, z), "a residual of another layout was carried over"
+
+
+def test_a_residual_restarts_when_the_layout_changes():
+    run_ranks(_layout, world_size=4)
+
 
 def test_wire_names_are_checked():
     assert pycomm._C.wire_name("int8", True) == "int8+ef"
