@@ -8,6 +8,7 @@
 
 #include "shm/collectives.h"
 #include "shm/reduce_kernels.h"
+#include "shm/sum_order.h"
 #include "shm/target.h"
 
 namespace pycomm::shm {
@@ -87,46 +88,71 @@ void Channel::allreduce_target(const Target& data, int64_t n, c10d::ReduceOp::Re
 void Channel::allreduce_whole(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                               const OpContext& ctx) {
   const c10::ScalarType dtype = data.dtype;
-  const size_t bytes = n * c10::elementSize(dtype);
+  const size_t elem = c10::elementSize(dtype);
+  const size_t bytes = n * elem;
   char* mine = begin_round();
   data.take(mine, 0, bytes);
   phase(ctx);
   c10::SmallVector<const void*, kInlinePeers> srcs(world_);
+  const SumOrder order = SumOrder::whole(n);
+  // [off, off + len) elements of the whole, from `own` (this rank's copy of them) and the
+  // peers' slots, into `out`. See Note [Gloo's summation order] (sum_order.h).
+  auto sum = [&](char* out, const char* own, int64_t off, int64_t len) {
+    order.each(world_, elem, off, len, [&](int64_t lo, int64_t count, RingTerms terms) {
+      for (int k = 0; k < world_; ++k) {
+        const int p = terms.rank(k);
+        srcs[k] = (p == rank_ ? own : peer_slot(p) + off * elem) + lo * elem;
+      }
+      reduce_buffers(dtype, op, out + lo * elem, srcs.data(), world_, count, world_);
+    });
+  };
   if (data.pieces == nullptr) {
-    for (int p = 0; p < world_; ++p) srcs[p] = p == rank_ ? data.data : peer_slot(p);
-    reduce_buffers(dtype, op, data.data, srcs.data(), world_, n, world_);
+    sum(data.data, data.data, 0, n);
     return;
   }
-  const size_t elem = c10::elementSize(dtype);
   data.pieces->each(0, bytes, [&](char* piece, size_t off, size_t len) {
-    for (int p = 0; p < world_; ++p) srcs[p] = (p == rank_ ? mine : peer_slot(p)) + off;
-    reduce_buffers(dtype, op, piece, srcs.data(), world_, static_cast<int64_t>(len / elem), world_);
+    sum(piece, mine + off, static_cast<int64_t>(off / elem), static_cast<int64_t>(len / elem));
   });
 }
 
 namespace {
 
 // One chunk's own part of the pipelined all-reduce: `len` bytes at `begin` of the data,
-// summed over every rank's copy (this rank's in the data, a peer p's at peer(p)) into the
-// data and into `own`, this rank's slot, for the peers to copy out. With pieces, each
-// piece is reduced where it is, scaled as it is read (Note [Pieces all-reduce]).
+// combined over every rank's copy (this rank's in the data, a peer p's at peer(p)) in the
+// order of `order` (Note [Gloo's summation order]) into the data and into `own`, this
+// rank's slot, for the peers to copy out. With pieces, each piece is reduced where it is,
+// scaled as it is read (Note [Pieces all-reduce]).
 template <typename Data, typename PeerSlot>
-void reduce_part(const Data& data, c10d::ReduceOp::RedOpType op, size_t begin, size_t len,
-                 int world, int rank, char* own, const PeerSlot& peer,
+void reduce_part(const Data& data, c10d::ReduceOp::RedOpType op, const SumOrder& order,
+                 size_t begin, size_t len, int world, int rank, char* own, const PeerSlot& peer,
                  std::vector<const void*>& srcs) {
   const c10::ScalarType dtype = data.dtype;
   const size_t elem = c10::elementSize(dtype);
+  // Elements [off, off + count) of the part (bytes `at` on), this rank's copy at `mine`.
+  auto each = [&](size_t at, int64_t count, char* mine, auto&& reduce) {
+    order.each(world, elem, static_cast<int64_t>((begin + at) / elem), count,
+               [&](int64_t lo, int64_t n, RingTerms terms) {
+                 const size_t b = lo * elem;
+                 for (int k = 0; k < world; ++k) {
+                   const int p = terms.rank(k);
+                   srcs[k] = p == rank ? mine + b : peer(p) + at + b;
+                 }
+                 reduce(mine + b, own + at + b, n, terms.position(rank));
+               });
+  };
   if (data.pieces != nullptr) {
     data.pieces->each(begin, len, [&](char* piece, size_t o, size_t bytes) {
-      for (int p = 0; p < world; ++p) srcs[p] = p == rank ? piece : peer(p) + o;
-      sum_scaling_one(dtype, piece, srcs.data(), world, static_cast<int64_t>(bytes / elem), rank,
-                      data.scale, own + o);
+      each(o, static_cast<int64_t>(bytes / elem), piece,
+           [&](char* out, char* copy, int64_t n, int scaled) {
+             sum_scaling_one(dtype, out, srcs.data(), world, n, scaled, data.scale, copy);
+           });
     });
     return;
   }
-  for (int p = 0; p < world; ++p) srcs[p] = p == rank ? data.data + begin : peer(p);
-  reduce_buffers(dtype, op, data.data + begin, srcs.data(), world, static_cast<int64_t>(len / elem),
-                 world, own);
+  each(0, static_cast<int64_t>(len / elem), data.data + begin,
+       [&](char* out, char* copy, int64_t n, int) {
+         reduce_buffers(dtype, op, out, srcs.data(), world, n, world, copy);
+       });
 }
 
 }  // namespace
@@ -162,6 +188,7 @@ void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp:
     publish(2 * k + 1);
   };
   std::vector<const void*> srcs(world_);
+  const SumOrder order = SumOrder::whole(n);
   auto reduce_own = [&](int64_t k) {
     wait_peers(base + static_cast<uint32_t>(2 * k + 1), ctx);
     if (k == 0) {  // every peer's first round is in: See Note [Collective identity]
@@ -171,7 +198,7 @@ void Channel::allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp:
     Parts ps = parts(k);
     const size_t off = ps.lo(rank_) * elem;
     reduce_part(
-        data, op, at(k) + off, ps.len(rank_) * elem, world_, rank_, slot(rank_, k) + off,
+        data, op, order, at(k) + off, ps.len(rank_) * elem, world_, rank_, slot(rank_, k) + off,
         [&](int p) { return slot(p, k) + off; }, srcs);
     publish(2 * k + 2);
   };

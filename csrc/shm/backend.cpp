@@ -363,8 +363,11 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter(
         }
         at::Tensor mine = even ? out : at::empty({widest}, out.options());
         Dense d(mine);
+        // Gloo reduces each rank's output as a buffer of its own (Note [Gloo's summation
+        // order]); the padding, past the output, takes any order.
         channel_->reduce_scatter(static_cast<char*>(in.data_ptr()), d.data(), widest,
-                                 out.scalar_type(), op, c);
+                                 out.scalar_type(), op,
+                                 SumOrder().then(widest, out.numel(), 0, GlooRing::kAllreduce), c);
         d.write_back();
         if (!even) out.copy_(mine.narrow(0, 0, out.numel()).view(out.sizes()));
       },
@@ -388,7 +391,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_as(
       [this, output, input, op](const OpContext& c) {
         Dense in(input), out(output);
         channel_->reduce_scatter(in.data(), out.data(), output.numel(), output.scalar_type(), op,
-                                 c);
+                                 SumOrder::scattered(size_, rank_, output.numel()), c);
         out.write_back();
       },
       opts);

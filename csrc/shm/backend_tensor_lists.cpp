@@ -282,8 +282,14 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(
             off += n;
           }
         }
+        // Gloo reduces each entry's input as a buffer of its own (Note [Gloo's summation
+        // order]): this rank's block is its part of each, back to back.
+        SumOrder order;
+        for (const auto& t : outs)
+          order.then(t.numel(), t.numel() * size_, t.numel() * rank_, GlooRing::kAllreduce);
         channel_->reduce_scatter(static_cast<char*>(packed.data_ptr()),
-                                 static_cast<char*>(mine.data_ptr()), block, dtype, reduce, c);
+                                 static_cast<char*>(mine.data_ptr()), block, dtype, reduce, order,
+                                 c);
         for (int64_t i = 0, off = 0; i < static_cast<int64_t>(outs.size()); ++i) {
           const int64_t n = outs[i].numel();
           outs[i].copy_(mine.narrow(0, off, n).view(outs[i].sizes()));

@@ -209,24 +209,37 @@ void Channel::reduce_parts(char* data, int64_t n, c10::ScalarType dtype,
                            c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
   const size_t elem = c10::elementSize(dtype);
   const int64_t chunk = static_cast<int64_t>(segment_->slot_bytes() / elem);
+  const SumOrder order = SumOrder::whole(n, GlooRing::kReduce);
   for (int64_t off = 0; off < n; off += chunk) {
-    reduce_chunk(data + off * elem, std::min(chunk, n - off), dtype, op, root, ctx);
+    reduce_chunk(data + off * elem, off, std::min(chunk, n - off), dtype, op, root, order, ctx);
   }
 }
 
-// See the comment at kParallelReduceBytes for the two paths.
-void Channel::reduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
-                           c10d::ReduceOp::RedOpType op, int root, const OpContext& ctx) {
+// See the comment at kParallelReduceBytes for the two paths. The chunk is elements
+// [first, first + n) of the whole, whose `order` its terms take.
+void Channel::reduce_chunk(char* data, int64_t first, int64_t n, c10::ScalarType dtype,
+                           c10d::ReduceOp::RedOpType op, int root, const SumOrder& order,
+                           const OpContext& ctx) {
   const size_t elem = c10::elementSize(dtype);
   const size_t bytes = n * elem;
   const bool receives = root < 0 || root == rank_;
   std::vector<const void*> srcs(world_);
+  // Elements [lo, lo + len) of the chunk, this rank's terms at mine[lo], into result[lo].
+  auto sum = [&](char* result, const char* mine, int64_t lo, int64_t len) {
+    order.each(world_, elem, first + lo, len, [&](int64_t at, int64_t count, RingTerms terms) {
+      const size_t b = (lo + at) * elem;
+      for (int k = 0; k < world_; ++k) {
+        const int p = terms.rank(k);
+        srcs[k] = p == rank_ ? mine + b : peer_slot(p) + b;
+      }
+      reduce_buffers(dtype, op, result + b, srcs.data(), world_, count, world_);
+    });
+  };
   if (bytes < kParallelReduceBytes) {
     std::memcpy(begin_round(), data, bytes);
     phase(ctx);
     if (!receives) return;
-    for (int p = 0; p < world_; ++p) srcs[p] = peer_slot(p);
-    reduce_buffers(dtype, op, data, srcs.data(), world_, n, world_);
+    sum(data, data, 0, n);
     return;
   }
   // Parts of whole cache lines, one per rank; the last may be shorter or empty.
@@ -239,10 +252,9 @@ void Channel::reduce_chunk(char* data, int64_t n, c10::ScalarType dtype,
   }
   phase(ctx);
   auto [off, len] = range(rank_);
-  for (int p = 0; p < world_; ++p) srcs[p] = (p == rank_ ? data : peer_slot(p)) + off;
-  char* result = receives ? data + off : mine + off;
-  reduce_buffers(dtype, op, result, srcs.data(), world_, len / elem, world_);
-  if (root < 0) std::memcpy(mine + off, result, len);  // the other ranks copy it from here
+  char* result = receives ? data : mine;
+  sum(result, data, parts.lo(rank_), parts.len(rank_));
+  if (root < 0) std::memcpy(mine + off, result + off, len);  // the other ranks copy it from here
   phase(ctx);
   if (!receives) return;
   for (int p = 0; p < world_; ++p) {
@@ -270,12 +282,14 @@ void Channel::allgather(const char* in, size_t bytes, const std::vector<char*>& 
 }
 
 void Channel::reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
-                             c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
-  reduce_scatter_target(Target{const_cast<char*>(in), nullptr, dtype, 1.0}, out, n, op, ctx);
+                             c10d::ReduceOp::RedOpType op, const SumOrder& order,
+                             const OpContext& ctx) {
+  reduce_scatter_target(Target{const_cast<char*>(in), nullptr, dtype, 1.0}, out, n, op, order, ctx);
 }
 
 void Channel::reduce_scatter_target(const Target& in, char* out, int64_t n,
-                                    c10d::ReduceOp::RedOpType op, const OpContext& ctx) {
+                                    c10d::ReduceOp::RedOpType op, const SumOrder& order,
+                                    const OpContext& ctx) {
   const c10::ScalarType dtype = in.dtype;
   start_op(OpKind::kReduceScatter, dtype, n, ctx);
   const size_t elem = c10::elementSize(dtype);
@@ -291,18 +305,29 @@ void Channel::reduce_scatter_target(const Target& in, char* out, int64_t n,
     phase(ctx);
     const size_t own = (rank_ * n + off) * elem;
     char* result = out + off * elem;
+    // Elements [o, o + count) of this round's block, this rank's terms at `terms_at`.
+    auto each = [&](size_t o, int64_t count, const char* terms_at, auto&& reduce) {
+      order.each(world_, elem, off + static_cast<int64_t>(o / elem), count,
+                 [&](int64_t lo, int64_t m, RingTerms terms) {
+                   const size_t b = lo * elem;
+                   for (int k = 0; k < world_; ++k) {
+                     const int p = terms.rank(k);
+                     srcs[k] = p == rank_ ? terms_at + b : peer_slot(p) + rank_ * block + o + b;
+                   }
+                   reduce(result + o + b, m, terms.position(rank_));
+                 });
+    };
     if (in.pieces != nullptr) {  // See Note [Pieces reduce-scatter]
       in.pieces->each(own, block, [&](char* piece, size_t o, size_t bytes) {
-        for (int p = 0; p < world_; ++p)
-          srcs[p] = p == rank_ ? piece : peer_slot(p) + rank_ * block + o;
-        sum_scaling_one(dtype, result + o, srcs.data(), world_, static_cast<int64_t>(bytes / elem),
-                        rank_, in.scale, nullptr);
+        each(o, static_cast<int64_t>(bytes / elem), piece, [&](char* to, int64_t m, int scaled) {
+          sum_scaling_one(dtype, to, srcs.data(), world_, m, scaled, in.scale, nullptr);
+        });
       });
       continue;
     }
-    for (int p = 0; p < world_; ++p)
-      srcs[p] = p == rank_ ? in.data + own : peer_slot(p) + rank_ * block;
-    reduce_buffers(dtype, op, result, srcs.data(), world_, len, world_);
+    each(0, len, in.data + own, [&](char* to, int64_t m, int) {
+      reduce_buffers(dtype, op, to, srcs.data(), world_, m, world_);
+    });
   }
 }
 
@@ -321,7 +346,8 @@ void Channel::reduce_scatter_pieces(const Pieces& in, c10::ScalarType dtype, dou
   TORCH_CHECK(static_cast<int64_t>(in.bytes() / c10::elementSize(dtype)) >= world_ * n,
               "pycomm reduce_scatter of pieces: ", in.bytes() / c10::elementSize(dtype),
               " elements for ", world_, " ranges of ", n);
-  reduce_scatter_target(Target{nullptr, &in, dtype, scale}, out, n, c10d::ReduceOp::SUM, ctx);
+  reduce_scatter_target(Target{nullptr, &in, dtype, scale}, out, n, c10d::ReduceOp::SUM,
+                        SumOrder::scattered(world_, rank_, n), ctx);
 }
 
 // One round to agree on the longest message of any pair, so every rank takes the same

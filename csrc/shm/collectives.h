@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "shm/segment.h"
+#include "shm/sum_order.h"
 #include "shm/sync.h"
 
 namespace pycomm::shm {
@@ -127,9 +128,11 @@ class Channel {
   // outs[r] receives rank r's `bytes` bytes of `in`.
   void allgather(const char* in, size_t bytes, const std::vector<char*>& outs,
                  const OpContext& ctx);
-  // `in` holds world * n elements; this rank's reduced block lands in `out` (n elements).
+  // `in` holds world * n elements; this rank's reduced block lands in `out` (n elements),
+  // its terms combined in `order` (Note [Gloo's summation order] in sum_order.h says which
+  // order each operation takes).
   void reduce_scatter(const char* in, char* out, int64_t n, c10::ScalarType dtype,
-                      c10d::ReduceOp::RedOpType op, const OpContext& ctx);
+                      c10d::ReduceOp::RedOpType op, const SumOrder& order, const OpContext& ctx);
   // The sum of every rank's elements [r x n, (r + 1) x n) of `in` (pieces, as one buffer)
   // scaled by `scale` (as allreduce_pieces scales), into this rank's `out` (n elements);
   // the same collective as reduce_scatter() of the pre-scaled buffer. float32 and float64.
@@ -175,9 +178,10 @@ class Channel {
   void allreduce_pipelined(const Target& data, int64_t n, c10d::ReduceOp::RedOpType op,
                            const OpContext& ctx);
   void reduce_scatter_target(const Target& in, char* out, int64_t n, c10d::ReduceOp::RedOpType op,
-                             const OpContext& ctx);
-  void reduce_chunk(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
-                    int root, const OpContext& ctx);
+                             const SumOrder& order, const OpContext& ctx);
+  void reduce_chunk(char* data, int64_t first, int64_t n, c10::ScalarType dtype,
+                    c10d::ReduceOp::RedOpType op, int root, const SumOrder& order,
+                    const OpContext& ctx);
   void reduce_parts(char* data, int64_t n, c10::ScalarType dtype, c10d::ReduceOp::RedOpType op,
                     int root, const OpContext& ctx);
   size_t alltoall_rounds(const Split& send, size_t per_peer, const OpContext& ctx);

@@ -20,10 +20,10 @@
 // 2(H-1)/H x S in all, against 2(n-1)/n x S over each boundary link of a flat ring of
 // n = H x L ranks; and 2(H-1) steps over the slow link instead of 2(n-1). Inside a host the
 // traffic moves through shared memory instead of TCP loopback.
-// Order of the sum: every element is (sum over its host's ranks, in local rank order)
-// summed over hosts in Gloo's order, the same on every rank, so all ranks get identical
-// bits; a flat Gloo all-reduce adds in another order, so the two differ by float
-// rounding only. AVG sums throughout and divides once at the end (Gloo has no AVG).
+// Order of the sum: every element is (sum over its host's ranks, in the shared-memory
+// order, Note [Gloo's summation order]) summed over hosts in Gloo's order, the same on every
+// rank, so all ranks get identical bits; a flat Gloo all-reduce adds in another order, so
+// the two differ by float rounding only. AVG sums throughout and divides once at the end.
 //
 // Note [Hierarchical pipeline]
 // Run one after the other, the three phases leave the slow link idle while the host
@@ -68,7 +68,7 @@
 //
 // Bytes across hosts, both together: 2(H-1)/H x S per host, what one hierarchical
 // all-reduce sends. The copies in and out of the chunk order stay in the host's memory.
-// Sums: each element is (its host's ranks, in local rank order) then hosts in order;
+// Sums: each element is (its host's ranks, in the shared-memory order) then hosts in order;
 // AVG sums both stages and divides once.
 #pragma once
 

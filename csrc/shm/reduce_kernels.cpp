@@ -28,8 +28,10 @@ namespace {
 //   first two sources combined in one loop and the result stored to `out` and `copy` in
 //   one loop; bfloat16/float16 blocks convert to and from float32 through the vectorised
 //   conversions of lowp_convert.h. A source that `out` aliases is read into the block
-//   before `out` is written, so aliasing any source is safe. The order of the sources is fixed (0,
-//   1, ..., nsrc - 1), so every rank reducing the same buffers gets the same bits.
+//   before `out` is written, so aliasing any source is safe. The sources are combined in the order
+//   given (0, 1, ..., nsrc - 1; the callers list them in Gloo's order, Note [Gloo's
+//   summation order] in sum_order.h), so every rank reducing the same buffers gets the
+//   same bits.
 constexpr int64_t kBlock = 512;
 
 template <typename T>

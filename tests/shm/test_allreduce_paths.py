@@ -5,8 +5,8 @@ boundaries, more chunks than slots (slot reuse), parts that are empty or one ele
 and operations of either path and of other collectives back to back, blocking and async.
 Data is integer-valued, so sums, maxima and minima are exact in any order (bit-equal to
 Gloo); only AVG divides, compared within one rounding of the dtype. bfloat16/float16 also
-get non-integer data and special values, checked bit for bit against torch's own float32
-arithmetic and rounding."""
+get non-integer data and special values, checked bit for bit against Gloo's float32
+all-reduce of the same values, rounded once."""
 
 import pytest
 import torch
@@ -91,22 +91,20 @@ def _low_precision_values(rank, numel, dtype):
 
 
 def _low_precision_rounding(rank, world):
-    """bfloat16/float16 reduce in float32 in rank order and round once, to nearest even:
-    bit-equal to doing exactly that with torch (non-integer data, specials), on the
-    one-phase and the pipelined path, for sum and avg."""
+    """bfloat16/float16 reduce in float32, in Gloo's order, and round once, to nearest
+    even: bit-equal to Gloo's float32 all-reduce of the widened values (times 1/world for
+    avg), rounded (non-integer data, specials), on the one-phase and the pipelined path."""
+    gloo = dist.new_group(backend="gloo")
     for dtype in (torch.bfloat16, torch.float16):
         for numel in (1001, 3 * SLOT_BYTES // 2 + 5):
             mine = _low_precision_values(rank, numel, dtype)
-            everyone = [torch.empty_like(mine) for _ in range(world)]
-            dist.all_gather(everyone, mine)
-            total = everyone[0].float()
-            for other in everyone[1:]:
-                total = total + other.float()
+            total = mine.float()
+            dist.all_reduce(total, group=gloo)
             for op, want in ((dist.ReduceOp.SUM, total),
                              (dist.ReduceOp.AVG, total * (1.0 / world))):
+                want = want.to(dtype)
                 x = mine.clone()
                 dist.all_reduce(x, op=op)
-                want = want.to(dtype)
                 same = (x.view(torch.int16) == want.view(torch.int16)) | (x.isnan() & want.isnan())
                 assert bool(same.all()), (dtype, numel, op, x[~same][:5], want[~same][:5])
 

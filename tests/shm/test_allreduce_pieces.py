@@ -56,9 +56,10 @@ def _against_one_buffer(rank, world):
 
 def _dense_but_not_contiguous(rank, world):
     """A transposed (dense) tensor is reduced in its memory order, as a bucket slot with the
-    same strides is."""
+    same strides is (the one buffer laid out as the pieces are: where an element sits in
+    it decides the order of its terms, Note [Gloo's summation order])."""
     base = torch.randn(6, 5, generator=torch.Generator().manual_seed(rank))
-    want = _expected([base.flatten()], 1.0 / world)
+    want = _expected([torch.zeros(3), base.flatten(), torch.zeros(2)], 1.0 / world)[3:33]
     _backend().allreduce_pieces([torch.zeros(3), base.t(), torch.zeros(2)], 1.0 / world)
     assert torch.equal(base.flatten(), want)
 

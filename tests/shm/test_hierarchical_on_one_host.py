@@ -12,6 +12,7 @@ import torch.distributed as dist
 import pycomm
 import pycomm.shm
 from tests.support.ddp_models import build
+from tests.support.gloo_order import ring_sum
 from tests.support.multirank import run_ranks
 
 
@@ -170,17 +171,31 @@ def test_ddp_uses_the_hierarchy(hierarchical):
     run_ranks(_ddp_hierarchical, world_size=4, hierarchical=hierarchical)
 
 
-def _hierarchical_sum(x_of, ranks):
-    """The sum the hierarchy computes in float32, in its order: each host's ranks in local
-    rank order, then the hosts in order (Note [Hierarchical reduce-scatter and
-    all-gather])."""
-    total = None
-    for host in ranks:
-        part = x_of[host[0]].clone()
-        for r in host[1:]:
-            part += x_of[r]
-        total = part if total is None else total + part
-    return total
+def _hierarchical_sum(x_of, ranks, s, piece):
+    """The float32 reduce-scatter the hierarchy computes, in its order (Note [Hierarchical
+    reduce-scatter and all-gather]), every rank's range of `s`, block by block (`piece`
+    elements of each range): each host's ranks as its shared-memory reduce-scatter of the
+    block's chunks adds them (Gloo's ring order, tests/support/gloo_order.py; local rank k
+    keeps chunk k), then the hosts in order."""
+    H, L = len(ranks), len(ranks[0])
+    out = torch.empty(H * L * s)
+    for b in range(0, s, piece):
+        n = min(piece, s - b)
+        within = []  # per host: its reduce-scatter's result, chunk l for local rank l
+        for h in range(H):
+            bufs = [torch.cat([x_of[ranks[h][mine]][r * s + b:r * s + b + n]
+                               for r in (ranks[hh][k] for k in range(L) for hh in range(H))])
+                    for mine in range(L)]
+            within.append(ring_sum(bufs))
+        for k in range(L):
+            for hh in range(H):
+                at = (k * H + hh) * n
+                total = within[0][at:at + n].clone()
+                for h in range(1, H):
+                    total += within[h][at:at + n]
+                r = ranks[hh][k]
+                out[r * s + b:r * s + b + n] = total
+    return out
 
 
 def _rs_ag(rank, world, hosts, interleaved):
@@ -216,7 +231,8 @@ def _rs_ag(rank, world, hosts, interleaved):
         if dtype == torch.float32 and op == dist.ReduceOp.SUM:
             every = [torch.empty_like(x) for _ in range(world)]
             dist.all_gather(every, x)
-            exact = _hierarchical_sum(every, ranks)[rank * s:(rank + 1) * s]
+            piece = backend.piece_bytes // x.element_size()
+            exact = _hierarchical_sum(every, ranks, s, piece)[rank * s:(rank + 1) * s]
         before = shm_ops()
         out = torch.empty(s, dtype=dtype)
         dist.reduce_scatter_tensor(out, x.clone(), op=op, group=group)
