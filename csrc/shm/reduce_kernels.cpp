@@ -31,17 +31,17 @@ namespace {
 //   before `out` is written, so aliasing any source is safe. The sources are combined in the order
 //   given (0, 1, ..., nsrc - 1; the callers list them in Gloo's order, Note [Gloo's
 //   summation order] in sum_order.h), so every rank reducing the same buffers gets the
-//   same bits.
+//   same bits. AVG divides the result by the world size, as Gloo's does.
 constexpr int64_t kBlock = 512;
 
 template <typename T>
 constexpr bool kLowPrecision = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
 
-template <typename T, typename Acc, typename Combine, bool kScaled, bool kCopy>
-void fused_pair(T* out, T* copy, const T* a, const T* b, int64_t n, Combine combine, Acc scale) {
+template <typename T, typename Acc, typename Combine, bool kAveraged, bool kCopy>
+void fused_pair(T* out, T* copy, const T* a, const T* b, int64_t n, Combine combine, Acc divisor) {
   for (int64_t i = 0; i < n; ++i) {
     Acc v = combine(static_cast<Acc>(a[i]), static_cast<Acc>(b[i]));
-    if constexpr (kScaled) v *= scale;
+    if constexpr (kAveraged) v /= divisor;
     out[i] = static_cast<T>(v);
     if constexpr (kCopy) copy[i] = static_cast<T>(v);
   }
@@ -49,17 +49,19 @@ void fused_pair(T* out, T* copy, const T* a, const T* b, int64_t n, Combine comb
 
 template <typename T, typename Combine>
 void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, Combine combine,
-                 at::opmath_type<T> scale, bool scaled) {
+                 at::opmath_type<T> divisor, bool averaged) {
   using Acc = at::opmath_type<T>;
   auto src = [&](int s) { return static_cast<const T*>(srcs[s]); };
   if (std::is_same_v<Acc, T> && nsrc == 2) {
-    if (scaled) {
-      copy ? fused_pair<T, Acc, Combine, true, true>(out, copy, src(0), src(1), n, combine, scale)
-           : fused_pair<T, Acc, Combine, true, false>(out, copy, src(0), src(1), n, combine, scale);
+    if (averaged) {
+      copy ? fused_pair<T, Acc, Combine, true, true>(out, copy, src(0), src(1), n, combine, divisor)
+           : fused_pair<T, Acc, Combine, true, false>(out, copy, src(0), src(1), n, combine,
+                                                      divisor);
     } else {
       copy
-          ? fused_pair<T, Acc, Combine, false, true>(out, copy, src(0), src(1), n, combine, scale)
-          : fused_pair<T, Acc, Combine, false, false>(out, copy, src(0), src(1), n, combine, scale);
+          ? fused_pair<T, Acc, Combine, false, true>(out, copy, src(0), src(1), n, combine, divisor)
+          : fused_pair<T, Acc, Combine, false, false>(out, copy, src(0), src(1), n, combine,
+                                                      divisor);
     }
     return;
   }
@@ -74,8 +76,8 @@ void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, 
         to_float(src(s) + base, next, len);
         for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], next[i]);
       }
-      if (scaled) {
-        for (int64_t i = 0; i < len; ++i) acc[i] *= scale;
+      if (averaged) {
+        for (int64_t i = 0; i < len; ++i) acc[i] /= divisor;
       }
       from_float(acc, o, len);
       if (copy != nullptr) std::memcpy(copy + base, o, len * sizeof(T));
@@ -94,8 +96,8 @@ void reduce_loop(T* out, T* copy, const void* const* srcs, int nsrc, int64_t n, 
       const T* more = src(s) + base;
       for (int64_t i = 0; i < len; ++i) acc[i] = combine(acc[i], static_cast<Acc>(more[i]));
     }
-    if (scaled) {
-      for (int64_t i = 0; i < len; ++i) acc[i] *= scale;
+    if (averaged) {
+      for (int64_t i = 0; i < len; ++i) acc[i] /= divisor;
     }
     if (copy != nullptr) {
       T* c = copy + base;
@@ -112,10 +114,10 @@ void reduce_typed(c10d::ReduceOp::RedOpType reduce, T* out, T* copy, const void*
   using Acc = at::opmath_type<T>;
   switch (reduce) {
     case c10d::ReduceOp::SUM:
-    case c10d::ReduceOp::AVG:
+    case c10d::ReduceOp::AVG:  // the sum divided, as Gloo's AVG: not times 1 / world
       return reduce_loop<T>(
-          out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a + b; },
-          static_cast<Acc>(1.0 / world), reduce == c10d::ReduceOp::AVG);
+          out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a + b; }, static_cast<Acc>(world),
+          reduce == c10d::ReduceOp::AVG);
     case c10d::ReduceOp::PRODUCT:
       return reduce_loop<T>(
           out, copy, srcs, nsrc, n, [](Acc a, Acc b) { return a * b; }, Acc(1), false);

@@ -92,16 +92,15 @@ def _low_precision_values(rank, numel, dtype):
 
 def _low_precision_rounding(rank, world):
     """bfloat16/float16 reduce in float32, in Gloo's order, and round once, to nearest
-    even: bit-equal to Gloo's float32 all-reduce of the widened values (times 1/world for
-    avg), rounded (non-integer data, specials), on the one-phase and the pipelined path."""
+    even: bit-equal to Gloo's float32 all-reduce of the widened values, rounded (non-integer
+    data, specials), on the one-phase and the pipelined path, for sum and avg."""
     gloo = dist.new_group(backend="gloo")
     for dtype in (torch.bfloat16, torch.float16):
         for numel in (1001, 3 * SLOT_BYTES // 2 + 5):
             mine = _low_precision_values(rank, numel, dtype)
-            total = mine.float()
-            dist.all_reduce(total, group=gloo)
-            for op, want in ((dist.ReduceOp.SUM, total),
-                             (dist.ReduceOp.AVG, total * (1.0 / world))):
+            for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+                want = mine.float()
+                dist.all_reduce(want, op=op, group=gloo)
                 want = want.to(dtype)
                 x = mine.clone()
                 dist.all_reduce(x, op=op)

@@ -1,8 +1,8 @@
 """The "pycomm" backend's sums and products carry Gloo's bits at every world size.
 
 Floating-point data of many magnitudes, so the order of the terms shows in the last bits:
-every reducing collective on a pycomm group (sums, products) must equal the same call on
-a Gloo group of the same ranks bit for bit (Note [Gloo's summation order] in
+every reducing collective on a pycomm group (sums, averages, products) must equal the same
+call on a Gloo group of the same ranks bit for bit (Note [Gloo's summation order] in
 csrc/shm/sum_order.h). Each run also checks that rank order would differ from Gloo on the
 same data from three ranks on, so the comparison can fail.
 """
@@ -46,7 +46,8 @@ def _rank_order_differs(rank, world, n, dtype):
 
 def _all_reduce_and_reduce(rank, world, gloo, dtype):
     for n in SIZES:
-        for op, product in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.PRODUCT, True)):
+        for op, product in ((dist.ReduceOp.SUM, False), (dist.ReduceOp.AVG, False),
+                            (dist.ReduceOp.PRODUCT, True)):
             x = _data(rank, n, dtype, product=product)
             want, got = x.clone(), x.clone()
             dist.all_reduce(want, op=op, group=gloo)
@@ -72,9 +73,10 @@ def _reduce_scatters(rank, world, gloo, dtype):
     for n in SIZES[:3] + [SIZES[3] // world]:
         x = _data(rank, world * n, dtype, salt=11)
         want, got = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-        dist.reduce_scatter_tensor(want, x, group=gloo)
-        dist.reduce_scatter_tensor(got, x)
-        _same(got, want, ("reduce_scatter_tensor", n))
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
+            dist.reduce_scatter_tensor(want, x, op=op, group=gloo)
+            dist.reduce_scatter_tensor(got, x, op=op)
+            _same(got, want, ("reduce_scatter_tensor", op, n))
         pieces = list(x.chunk(world))
         want, got = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
         dist.reduce_scatter(want, pieces, group=gloo)
