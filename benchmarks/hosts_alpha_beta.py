@@ -13,7 +13,9 @@ For each rate: make 2 hosts joined by a link shaped to that rate (pycomm/testing
 
 With --wires each DDP run sends its buckets across in that DDPConfig.wire, and its steps
 are replayed with the same wire (pycomm.overlap.replay(..., wire=)), at 2 hosts of
---ranks-per-host ranks.
+--ranks-per-host ranks: once with the wire's bytes only, and once with its WireCost,
+fitted (pycomm.overlap.fit_wire_cost) from a sweep of that wire's all-reduce across the
+same hosts (the hierarchy's allreduce_wire, WIRE_SIZES).
 
 The rate under tbf counts Ethernet frames; a TCP stream carries about 94-97% of it as
 payload (headers, ACKs), which the fit sees as a lower bus bandwidth. There is no added
@@ -39,11 +41,16 @@ import time
 
 import torch
 
-from pycomm.overlap import fit_alpha_beta, replay
+from pycomm.overlap import Sample, fit_alpha_beta, fit_wire_cost, replay
 from pycomm.overlap.model import load_collectives_json
 from pycomm.testing.hosts import Hosts, available
 
 STEPS, SKIP = 8, 3  # DDP steps per run; the first SKIP (bucket rebuild, warm-up) not judged
+
+
+def _error_feedback(wire: str) -> bool:
+    """Whether a run in `wire` keeps int8's residuals (the DDP runs and the sweeps alike)."""
+    return wire == "int8"
 
 
 def _ddp_rank(rank: int, world_size: int, steps: int, wire: str = "fp32") -> list[dict]:
@@ -54,13 +61,44 @@ def _ddp_rank(rank: int, world_size: int, steps: int, wire: str = "fp32") -> lis
     module, x = build_model("mlp")
     ddp = pycomm.DistributedDataParallel(
         module, config=pycomm.DDPConfig(bucket_cap_mb=25.0, wire=wire,
-                                        wire_error_feedback=wire == "int8"))
+                                        wire_error_feedback=_error_feedback(wire)))
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
     for _ in range(steps):
         opt.zero_grad()
         ddp(x).square().mean().backward()
         opt.step()
     return [dict(t) for t in ddp.timelines(steps - SKIP)]
+
+
+# float32 bytes of the buckets a wire sweep all-reduces: the bench MLP's buckets are 25 MiB
+WIRE_SIZES = (1 << 20, 4 << 20, 16 << 20, 32 << 20)
+
+
+def _wire_sweep_rank(rank: int, world_size: int, wire: str, reps: int = 3) -> list[dict]:
+    """Median seconds of the hierarchy's all-reduce of each WIRE_SIZES bucket in `wire`
+    (with error feedback as the DDP run has it)."""
+    import torch.distributed as dist
+
+    import pycomm.shm
+    from pycomm import _C
+
+    torch.set_num_threads(1)
+    group = pycomm.shm.hierarchical_group(dist.group.WORLD, one_rank_per_host=True)
+    backend = group._get_backend(torch.device("cpu"))
+    rows = []
+    for nbytes in WIRE_SIZES:
+        x = torch.randn(nbytes // 4) * 1e-3
+        feedback = _error_feedback(wire)
+        residual = _C.WireResidual() if feedback else None
+        backend.allreduce_wire(x, wire, error_feedback=feedback, residual=residual)
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            backend.allreduce_wire(x, wire, error_feedback=feedback, residual=residual)
+            times.append(time.perf_counter() - t)
+        rows.append({"bytes": nbytes, "seconds": statistics.median(times)})
+    return rows
 
 
 PROBE_PORT = 41000
@@ -112,19 +150,32 @@ def validate(rate_gbit: float, tmp: str, probe_s: float = 2.0, wires: tuple = ("
                                 kwargs={"steps": STEPS, "wire": wire}, timeout=900,
                                 ranks_per_host=ranks_per_host, group_timeout_s=300)
                 for wire in wires}
+        sweeps = {wire: hosts.run("benchmarks.hosts_alpha_beta:_wire_sweep_rank",
+                                  kwargs={"wire": wire}, timeout=900,
+                                  ranks_per_host=ranks_per_host, group_timeout_s=300)
+                  for wire in wires if wire != "fp32"}
     samples = load_collectives_json(out)
     model = fit_alpha_beta(samples)
     fitted_gbit = model.busbw_Bps * 8 / 1e9
+    costs = {}
+    for wire, ranks in sweeps.items():  # a collective takes as long as its slowest rank
+        by_size = zip(*(r.value for r in ranks))
+        costs[wire] = fit_wire_cost(wire, [Sample(rows[0]["bytes"],
+                                                  max(x["seconds"] for x in rows), 2)
+                                           for rows in by_size], model)
     rows = []
     for wire, ranks in runs.items():
         for r in ranks:
             for raw in r.value:
                 measured = (raw["finalize_end_ns"] - raw["backward_start_ns"]) * 1e-9
                 # across 2 hosts: the link is the model's, the hosts its world
-                predicted = replay(raw, model, world_size=2, wire=wire).backward_s
+                predicted = replay(raw, model, world_size=2, wire=costs.get(wire, wire)
+                                   ).backward_s
+                bytes_only = replay(raw, model, world_size=2, wire=wire).backward_s
                 rows.append({"wire": wire, "rank": r.rank, "step": raw["step"],
                              "measured_s": measured, "predicted_s": predicted,
-                             "error": predicted / measured - 1})
+                             "error": predicted / measured - 1,
+                             "bytes_only_error": bytes_only / measured - 1})
     return {"link_gbit": rate_gbit, "fit": {"alpha_us": model.alpha_s * 1e6,
                                             "busbw_gbit": fitted_gbit},
             "rate_error": fitted_gbit / rate_gbit - 1,
@@ -132,6 +183,9 @@ def validate(rate_gbit: float, tmp: str, probe_s: float = 2.0, wires: tuple = ("
             "delivered_gbit": min(rate_gbit, delivered),
             "delivered_error": fitted_gbit / min(rate_gbit, delivered) - 1,
             "sweep": [{"bytes": s.nbytes, "seconds": s.seconds} for s in samples],
+            "wire_sweeps": {wire: [r.value for r in ranks] for wire, ranks in sweeps.items()},
+            "wire_costs": {wire: {"alpha_ms": c.alpha_s * 1e3, "ns_per_byte": c.s_per_byte * 1e9}
+                           for wire, c in costs.items()},
             "steps": rows,
             "median_step_error": statistics.median(abs(x["error"]) for x in rows),
             "worst_step_error": max(abs(x["error"]) for x in rows)}
@@ -173,8 +227,14 @@ def main() -> int:
                   f"{res['load_after'][0]:.1f})", flush=True)
             for wire in ns.wires.split(","):
                 errs = sorted(abs(x["error"]) for x in res["steps"] if x["wire"] == wire)
+                plain = sorted(abs(x["bytes_only_error"]) for x in res["steps"]
+                               if x["wire"] == wire)
+                cost = res["wire_costs"].get(wire)
                 print(f"  wire {wire}: median |error| {errs[len(errs) // 2]:.1%}, worst "
-                      f"{errs[-1]:.1%} over {len(errs)} rank-steps", flush=True)
+                      f"{errs[-1]:.1%} over {len(errs)} rank-steps; bytes only "
+                      f"{plain[len(plain) // 2]:.1%}, worst {plain[-1]:.1%}"
+                      + (f"; its cost {cost['alpha_ms']:.2f} ms + {cost['ns_per_byte']:.3f} "
+                         f"ns/byte a bucket" if cost else ""), flush=True)
             for row in res["steps"]:
                 print(f"  wire {row['wire']} rank {row['rank']} step {row['step']}: measured "
                       f"{row['measured_s'] * 1e3:.1f} ms, predicted "

@@ -9,7 +9,9 @@ from .model import AlphaBeta, Sample, fit_alpha_beta, load_collectives_json, rel
 from .replay import (
     Prediction,
     SimBucket,
+    WireCost,
     fit_in_backward,
+    fit_wire_cost,
     param_nbytes_from,
     rebucket,
     replay,
@@ -27,7 +29,8 @@ from .whatif import WhatIf, format_what_if, what_if
 
 __all__ = [
     "AlphaBeta", "BucketRow", "Prediction", "Sample", "SimBucket", "StepReport", "WhatIf",
-    "check_timeline", "chrome_trace", "fit_alpha_beta", "fit_in_backward", "format_report",
+    "WireCost", "check_timeline", "chrome_trace", "fit_alpha_beta", "fit_in_backward",
+    "fit_wire_cost", "format_report",
     "format_what_if",
     "load_collectives_json", "param_nbytes_from", "rebucket", "relative_errors", "replay",
     "step_report", "step_reports", "what_if", "write_chrome_trace",

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from .model import AlphaBeta
+from .model import AlphaBeta, Sample
 from .report import UNUSED, StepReport, check_timeline, last_ready_ns, raw_timeline, union_length
 
 _NS = 1e-9
@@ -149,14 +149,52 @@ def wire_ratio(wire: str, nbytes: int) -> float:
     return _C.wire_bytes(wire, nbytes // 4) / nbytes
 
 
+@dataclass(frozen=True)
+class WireCost:
+    """A low-precision wire (DDPConfig.wire) and what it adds to one bucket's all-reduce
+    beyond the bytes it sends: its codec's CPU time and its pipeline's extra stage, as
+    `alpha_s` per bucket plus `s_per_byte` per float32 byte of the bucket. Fitted by
+    fit_wire_cost from the wire's own all-reduces across the hosts being modelled; given to
+    replay and what_if as their `wire`."""
+
+    wire: str
+    alpha_s: float
+    s_per_byte: float
+
+    def extra_s(self, nbytes: float) -> float:
+        return self.alpha_s + self.s_per_byte * nbytes
+
+
+def fit_wire_cost(wire: str, samples: Sequence[Sample], model: AlphaBeta) -> WireCost:
+    """Fit `wire`'s WireCost from all-reduces of float32 buckets in that wire (`samples`:
+    each bucket's float32 bytes and the collective's time, world_size the number of hosts)
+    on the network `model` describes: least squares of what each took beyond the model's
+    time for its bytes on the wire, against the bucket's size. Negative terms are clamped
+    to 0 (the wire never saves more than its bytes)."""
+    rows = [(s.nbytes, s.seconds - model.allreduce_s(s.nbytes * wire_ratio(wire, s.nbytes),
+                                                     s.world_size)) for s in samples]
+    if len({n for n, _ in rows}) < 2:
+        raise ValueError("fit_wire_cost needs samples of at least two different sizes")
+    mean_n = sum(n for n, _ in rows) / len(rows)
+    mean_e = sum(e for _, e in rows) / len(rows)
+    slope = (sum((n - mean_n) * (e - mean_e) for n, e in rows)
+             / sum((n - mean_n) ** 2 for n, _ in rows))
+    slope = max(slope, 0.0)
+    alpha = max(mean_e - slope * mean_n, 0.0)
+    return WireCost(wire=wire, alpha_s=alpha, s_per_byte=slope)
+
+
 def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int,
-              wire: str = "fp32") -> list[SimBucket]:
+              wire: str | WireCost = "fp32") -> list[SimBucket]:
+    name = wire.wire if isinstance(wire, WireCost) else wire
     out, launch, free = [], float("-inf"), float("-inf")
     for k, (ready_ns, nbytes, params) in enumerate(buckets):
         launch = max(float(ready_ns - t0), launch)
         start = max(launch, free)
-        sent = nbytes * wire_ratio(wire, nbytes)
-        free = start + model.allreduce_s(sent, world_size) / _NS
+        took = model.allreduce_s(nbytes * wire_ratio(name, nbytes), world_size)
+        if isinstance(wire, WireCost):
+            took += wire.extra_s(nbytes)
+        free = start + took / _NS
         out.append(SimBucket(k, nbytes, params, (ready_ns - t0) * _NS, launch * _NS,
                              start * _NS, free * _NS))
     return out
@@ -164,11 +202,13 @@ def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int,
 
 def replay(step: StepReport | Mapping[str, Any], model: AlphaBeta, world_size: int, *,
            cap_bytes: Optional[int] = None, first_cap_bytes: Optional[int] = None,
-           param_nbytes: Optional[Sequence[int]] = None, wire: str = "fp32") -> Prediction:
+           param_nbytes: Optional[Sequence[int]] = None,
+           wire: str | WireCost = "fp32") -> Prediction:
     """Predict a recorded step (a StepReport or its raw timeline) at `world_size` ranks on
     `model`'s network, with the recorded buckets or, given `cap_bytes` (and the parameters'
     sizes), re-cut ones. `wire` (DDPConfig.wire) is what the float32 buckets cross the
-    network in: each bucket's bandwidth term shrinks by wire_ratio, its latency stays.
+    network in: each bucket's bandwidth term shrinks by wire_ratio, its latency stays; a
+    WireCost (fit_wire_cost) names the wire and adds what its codec and pipeline take.
     For the hierarchical all-reduce across hosts, `world_size` is the number of hosts and
     `model` the link between them. See Note [Replay rules]. Times are kept in ns
     internally (the clock's unit)."""

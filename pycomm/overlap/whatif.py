@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from .model import AlphaBeta
-from .replay import Prediction, replay
+from .replay import Prediction, WireCost, replay
 
 
 @dataclass(frozen=True)
@@ -26,9 +26,11 @@ class WhatIf:
 def what_if(raw: Mapping[str, Any], networks: Mapping[str, AlphaBeta],
             world_sizes: Sequence[int], caps: Sequence[Optional[int]] = (None,), *,
             param_nbytes: Optional[Sequence[int]] = None,
-            first_cap_bytes: Optional[int] = None, wire: str = "fp32") -> list[WhatIf]:
+            first_cap_bytes: Optional[int] = None,
+            wire: str | WireCost = "fp32") -> list[WhatIf]:
     """Replay `raw` for every (network, world size, cap); cap None keeps the recorded
-    buckets; `wire` is what the buckets cross the network in (DDPConfig.wire)."""
+    buckets; `wire` is what the buckets cross the network in (DDPConfig.wire), or a
+    WireCost that names it with its cost (replay's `wire`)."""
     return [WhatIf(name, n, cap, replay(raw, model, n, cap_bytes=cap,
                                         first_cap_bytes=first_cap_bytes if cap else None,
                                         param_nbytes=param_nbytes, wire=wire))

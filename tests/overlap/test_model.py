@@ -8,8 +8,10 @@ import pytest
 from pycomm.overlap import (
     AlphaBeta,
     Sample,
+    WireCost,
     fit_alpha_beta,
     fit_in_backward,
+    fit_wire_cost,
     load_collectives_json,
     param_nbytes_from,
     rebucket,
@@ -73,6 +75,36 @@ def test_hand_computed_replay_with_a_low_precision_wire():
         two_bucket_timeline(), HAND, 2)
     with pytest.raises(ValueError, match="wire must be 'fp32', 'bf16' or 'int8'"):
         replay(two_bucket_timeline(), HAND, 2, wire="fp8")
+
+
+def test_hand_computed_replay_with_a_wire_cost():
+    # bf16 with 0.5 ms a bucket and 1 ns a float32 byte on top: b0 (4 MB) 3 + 0.5 + 4 ms
+    # (10..17.5), b1 (2 MB) 2 + 0.5 + 2 ms (17.5..22).
+    cost = WireCost(wire="bf16", alpha_s=0.5e-3, s_per_byte=1e-9)
+    p = replay(two_bucket_timeline(), HAND, world_size=2, wire=cost)
+    assert [(_ms(b.start_s), _ms(b.done_s)) for b in p.buckets] == [(10, 17.5), (17.5, 22)]
+    assert replay(two_bucket_timeline(), HAND, 2, wire=WireCost("bf16", 0, 0)) == replay(
+        two_bucket_timeline(), HAND, 2, wire="bf16")
+    with pytest.raises(ValueError, match="wire must be 'fp32', 'bf16' or 'int8'"):
+        replay(two_bucket_timeline(), HAND, 2, wire=WireCost("fp8", 0, 0))
+
+
+def test_fit_wire_cost_recovers_what_the_wire_adds():
+    # Times made by the model itself plus 2 ms + 3 ns a float32 byte come back as that cost;
+    # a wire that only saves its bytes costs nothing more; one size is not enough.
+    sizes = (1 << 20, 8 << 20, 32 << 20)
+
+    def made(alpha, per_byte):
+        return [Sample(n, HAND.allreduce_s(n / 2, 2) + alpha + per_byte * n, 2) for n in sizes]
+
+    cost = fit_wire_cost("bf16", made(2e-3, 3e-9), HAND)
+    assert (cost.wire, cost.alpha_s, cost.s_per_byte) == ("bf16", pytest.approx(2e-3),
+                                                         pytest.approx(3e-9))
+    cost = fit_wire_cost("bf16", made(0.0, 0.0), HAND)
+    assert cost.alpha_s == pytest.approx(0, abs=1e-12)
+    assert cost.s_per_byte == pytest.approx(0, abs=1e-18)
+    with pytest.raises(ValueError, match="two different sizes"):
+        fit_wire_cost("bf16", made(0, 0)[:1], HAND)
 
 
 def test_hand_computed_replay_at_four_ranks_on_a_ring():
