@@ -155,7 +155,9 @@ class WireCost:
     beyond the bytes it sends: its codec's CPU time and its pipeline's extra stage, as
     `alpha_s` per bucket plus `s_per_byte` per float32 byte of the bucket. Fitted by
     fit_wire_cost from the wire's own all-reduces across the hosts being modelled; given to
-    replay and what_if as their `wire`."""
+    replay and what_if as their `wire`. It is what was measured at those hosts and ranks
+    per host: replayed at other host counts it is kept as it is, an assumption (each rank's
+    codec work shrinks little with more hosts), not a measurement."""
 
     wire: str
     alpha_s: float
@@ -180,8 +182,11 @@ def fit_wire_cost(wire: str, samples: Sequence[Sample], model: AlphaBeta) -> Wir
     slope = (sum((n - mean_n) * (e - mean_e) for n, e in rows)
              / sum((n - mean_n) ** 2 for n, _ in rows))
     slope = max(slope, 0.0)
-    alpha = max(mean_e - slope * mean_n, 0.0)
-    return WireCost(wire=wire, alpha_s=alpha, s_per_byte=slope)
+    alpha = mean_e - slope * mean_n
+    if alpha < 0:  # refit on the edge, through the origin
+        alpha = 0.0
+        slope = max(sum(n * e for n, e in rows) / sum(n * n for n, _ in rows), 0.0)
+    return WireCost(wire=wire, alpha_s=max(alpha, 0.0), s_per_byte=slope)
 
 
 def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int,
@@ -192,7 +197,7 @@ def _schedule(buckets, model: AlphaBeta, world_size: int, t0: int,
         launch = max(float(ready_ns - t0), launch)
         start = max(launch, free)
         took = model.allreduce_s(nbytes * wire_ratio(name, nbytes), world_size)
-        if isinstance(wire, WireCost):
+        if isinstance(wire, WireCost) and world_size > 1:  # alone, nothing is encoded
             took += wire.extra_s(nbytes)
         free = start + took / _NS
         out.append(SimBucket(k, nbytes, params, (ready_ns - t0) * _NS, launch * _NS,

@@ -105,6 +105,14 @@ def test_fit_wire_cost_recovers_what_the_wire_adds():
     assert cost.s_per_byte == pytest.approx(0, abs=1e-18)
     with pytest.raises(ValueError, match="two different sizes"):
         fit_wire_cost("bf16", made(0, 0)[:1], HAND)
+    # a line through a negative intercept: refitted through the origin, not cut at it
+    cost = fit_wire_cost("bf16", made(-2e-3, 4e-9), HAND)
+    rows = [(n, -2e-3 + 4e-9 * n) for n in sizes]
+    through_origin = sum(n * e for n, e in rows) / sum(n * n for n, _ in rows)
+    assert (cost.alpha_s, cost.s_per_byte) == (0, pytest.approx(through_origin))
+    # one rank all-reduces nothing, so its wire costs nothing
+    alone = replay(two_bucket_timeline(), HAND, 1, wire=WireCost("bf16", 1e-3, 1e-9))
+    assert alone == replay(two_bucket_timeline(), HAND, 1)
 
 
 def test_hand_computed_replay_at_four_ranks_on_a_ring():
