@@ -2,6 +2,7 @@
 // element: Gloo's, so a pycomm group gives a Gloo group's bits at every world size.
 #pragma once
 
+#include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
@@ -94,6 +95,9 @@ class SumOrder {
       }
       base += s.len;
     }
+    // Elements past the spans would be left out of the reduction, unsummed.
+    TORCH_CHECK(end <= base, "pycomm: a reduction of elements up to ", end,
+                " was given an order for ", base);
   }
 
  private:
