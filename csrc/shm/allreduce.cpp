@@ -99,10 +99,9 @@ void Channel::allreduce_whole(const Target& data, int64_t n, c10d::ReduceOp::Red
   // peers' slots, into `out`. See Note [Gloo's summation order] (sum_order.h).
   auto sum = [&](char* out, const char* own, int64_t off, int64_t len) {
     order.each(world_, elem, off, len, [&](int64_t lo, int64_t count, RingTerms terms) {
-      for (int k = 0; k < world_; ++k) {
-        const int p = terms.rank(k);
-        srcs[k] = (p == rank_ ? own : peer_slot(p) + off * elem) + lo * elem;
-      }
+      terms.list(
+          rank_, own + lo * elem, [&](int p) { return peer_slot(p) + (off + lo) * elem; },
+          srcs.data());
       reduce_buffers(dtype, op, out + lo * elem, srcs.data(), world_, count, world_);
     });
   };
@@ -133,10 +132,7 @@ void reduce_part(const Data& data, c10d::ReduceOp::RedOpType op, const SumOrder&
     order.each(world, elem, static_cast<int64_t>((begin + at) / elem), count,
                [&](int64_t lo, int64_t n, RingTerms terms) {
                  const size_t b = lo * elem;
-                 for (int k = 0; k < world; ++k) {
-                   const int p = terms.rank(k);
-                   srcs[k] = p == rank ? mine + b : peer(p) + at + b;
-                 }
+                 terms.list(rank, mine + b, [&](int p) { return peer(p) + at + b; }, srcs.data());
                  reduce(mine + b, own + at + b, n, terms.position(rank));
                });
   };

@@ -228,10 +228,7 @@ void Channel::reduce_chunk(char* data, int64_t first, int64_t n, c10::ScalarType
   auto sum = [&](char* result, const char* mine, int64_t lo, int64_t len) {
     order.each(world_, elem, first + lo, len, [&](int64_t at, int64_t count, RingTerms terms) {
       const size_t b = (lo + at) * elem;
-      for (int k = 0; k < world_; ++k) {
-        const int p = terms.rank(k);
-        srcs[k] = p == rank_ ? mine + b : peer_slot(p) + b;
-      }
+      terms.list(rank_, mine + b, [&](int p) { return peer_slot(p) + b; }, srcs.data());
       reduce_buffers(dtype, op, result + b, srcs.data(), world_, count, world_);
     });
   };
@@ -310,10 +307,9 @@ void Channel::reduce_scatter_target(const Target& in, char* out, int64_t n,
       order.each(world_, elem, off + static_cast<int64_t>(o / elem), count,
                  [&](int64_t lo, int64_t m, RingTerms terms) {
                    const size_t b = lo * elem;
-                   for (int k = 0; k < world_; ++k) {
-                     const int p = terms.rank(k);
-                     srcs[k] = p == rank_ ? terms_at + b : peer_slot(p) + rank_ * block + o + b;
-                   }
+                   terms.list(
+                       rank_, terms_at + b,
+                       [&](int p) { return peer_slot(p) + rank_ * block + o + b; }, srcs.data());
                    reduce(result + o + b, m, terms.position(rank_));
                  });
     };

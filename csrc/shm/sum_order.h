@@ -47,6 +47,14 @@ class RingTerms {
   int rank(int k) const {
     return k == world_ - 1 ? chunk_ : ((chunk_ - 1 - k) % world_ + world_) % world_;
   }
+  // srcs[k] = where the k-th term is: `own` for rank `self`, peer(p) for another rank p.
+  template <typename Peer>
+  void list(int self, const void* own, const Peer& peer, const void** srcs) const {
+    for (int k = 0; k < world_; ++k) {
+      const int p = rank(k);
+      srcs[k] = p == self ? own : static_cast<const void*>(peer(p));
+    }
+  }
   // Where `r`'s term comes.
   int position(int r) const {
     return r == chunk_ ? world_ - 1 : ((chunk_ - 1 - r) % world_ + world_) % world_;
