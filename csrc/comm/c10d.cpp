@@ -28,8 +28,8 @@ BucketAllreduce* bucket_allreduce(const c10::intrusive_ptr<c10d::Backend>& backe
   return dynamic_cast<BucketAllreduce*>(backend.get());
 }
 
-WireAllreduce* wire_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend) {
-  return dynamic_cast<WireAllreduce*>(backend.get());
+WireCollectives* wire_collectives(const c10::intrusive_ptr<c10d::Backend>& backend) {
+  return dynamic_cast<WireCollectives*>(backend.get());
 }
 
 std::string error_message(const c10::ivalue::Future& future) {

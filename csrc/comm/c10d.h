@@ -67,14 +67,14 @@ BucketAllreduce* bucket_allreduce(const c10::intrusive_ptr<c10d::Backend>& backe
 // What a backend spanning hosts offers: a sum all-reduce whose cross-host leg carries
 // `wire` with float32 sums, `residual` keeping its error feedback (pycomm's hierarchical
 // backend: Note [Low-precision wire] in shm/wire_codec.h).
-class WireAllreduce {
+class WireCollectives {
  public:
-  virtual ~WireAllreduce() = default;
+  virtual ~WireCollectives() = default;
   virtual WorkPtr allreduce_wire(at::Tensor tensor, const Wire& wire,
                                  std::shared_ptr<WireResidual> residual) = 0;
 };
 
-// `backend` as a WireAllreduce, or null when it does not offer one.
-WireAllreduce* wire_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
+// `backend` as a WireCollectives, or null when it does not offer one.
+WireCollectives* wire_collectives(const c10::intrusive_ptr<c10d::Backend>& backend);
 
 }  // namespace pycomm::comm

@@ -26,7 +26,7 @@ AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline, co
       run_inline_(run_inline),
       backend_(comm::cpu_backend(pg_)),
       bucket_ops_(comm::bucket_allreduce(backend_)) {
-  if (!wire.exact()) wire_ops_ = comm::wire_allreduce(backend_);
+  if (!wire.exact()) wire_ops_ = comm::wire_collectives(backend_);
   if (wire_ops_ != nullptr) wire_ = wire;
 }
 

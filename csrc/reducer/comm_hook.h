@@ -51,7 +51,7 @@ class CommHook {
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
 // `run_inline` the launching thread waits for the collective before returning (see
 // Note [Inline collectives] in launch.cpp). With a low-precision `wire` on a group whose
-// backend spans hosts (comm::WireAllreduce), each bucket crosses hosts in it (Note
+// backend spans hosts (comm::WireCollectives), each bucket crosses hosts in it (Note
 // [Low-precision wire] in shm/wire_codec.h); on a group that does not, no bucket
 // crosses a host and the wire changes nothing.
 class AllreduceSumHook final : public CommHook {
@@ -87,7 +87,7 @@ class AllreduceSumHook final : public CommHook {
   bool inline_failed_ = false;
   c10::intrusive_ptr<c10d::Backend> backend_;  // keeps bucket_ops_ alive
   comm::BucketAllreduce* bucket_ops_ = nullptr;    // what backend_ offers, if it does
-  comm::WireAllreduce* wire_ops_ = nullptr;        // with a low-precision wire, likewise
+  comm::WireCollectives* wire_ops_ = nullptr;     // with a low-precision wire, likewise
   comm::Wire wire_;
   FuturePtr step_label_;  // begin_step's exchange, until the next run takes it
 };

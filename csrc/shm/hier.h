@@ -85,7 +85,7 @@
 
 namespace pycomm::shm {
 
-class HierBackend : public c10d::Backend, public comm::WireAllreduce {
+class HierBackend : public c10d::Backend, public comm::WireCollectives {
  public:
   // ranks[h][l]: the group rank of host h's local rank l (host_ is this rank's h).
   HierBackend(int rank, int size, int host, std::vector<std::vector<int>> ranks,

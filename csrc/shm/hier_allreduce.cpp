@@ -19,22 +19,6 @@
 namespace pycomm::shm {
 
 namespace {
-// The names the shared-memory phases of a hierarchical all-reduce carry in errors and the
-// flight record: the plain operations', or with the wire the all-reduce crosses hosts in.
-std::pair<const char*, const char*> local_phase_names(const comm::Wire& wire) {
-  switch (wire.dtype) {
-    case comm::WireDtype::kFloat32: return {"reduce_scatter_tensor", "all_gather_into_tensor"};
-    case comm::WireDtype::kBFloat16:
-      return {"reduce_scatter_tensor[wire=bf16]", "all_gather_into_tensor[wire=bf16]"};
-    case comm::WireDtype::kInt8:
-      return wire.error_feedback ? std::make_pair("reduce_scatter_tensor[wire=int8+ef]",
-                                                  "all_gather_into_tensor[wire=int8+ef]")
-                                 : std::make_pair("reduce_scatter_tensor[wire=int8]",
-                                                  "all_gather_into_tensor[wire=int8]");
-  }
-  return {"reduce_scatter_tensor", "all_gather_into_tensor"};
-}
-
 // One hierarchical all-reduce of `flat` (See Note [Hierarchical pipeline]): blocks of L
 // pieces, each reduce-scattered within the host, its piece all-reduced across hosts on
 // Gloo's threads while the next block is reduce-scattered, then all-gathered within the
@@ -216,16 +200,6 @@ class BlockPipeline {
   float* summed_residual_ = nullptr;
 };
 
-// The operation's name in errors and records: which wire it ran with.
-const char* wire_op_name(const comm::Wire& wire) {
-  switch (wire.dtype) {
-    case comm::WireDtype::kFloat32: return "all_reduce";
-    case comm::WireDtype::kBFloat16: return "all_reduce[wire=bf16]";
-    case comm::WireDtype::kInt8:
-      return wire.error_feedback ? "all_reduce[wire=int8+ef]" : "all_reduce[wire=int8]";
-  }
-  return "all_reduce";
-}
 }  // namespace
 
 comm::WorkPtr HierBackend::allreduce_wire(at::Tensor tensor, const comm::Wire& wire,

@@ -1,5 +1,6 @@
-// What the pipelines of HierBackend (hier.cpp, hier_allreduce.cpp) share: waiting for one
-// phase with a failure that names the rank's place in the hierarchy.
+// What the pipelines of HierBackend (hier.cpp, hier_allreduce.cpp) share: the names a wire
+// gives their operations, and waiting for one phase with a failure that names the rank's
+// place in the hierarchy.
 #pragma once
 
 #include <c10/util/Exception.h>
@@ -8,8 +9,38 @@
 #include <cstdint>
 #include <exception>
 #include <string>
+#include <utility>
+
+#include "comm/wire.h"
 
 namespace pycomm::shm {
+
+// The names the shared-memory phases of a hierarchical all-reduce carry in errors and the
+// flight record: the plain operations', or with the wire the all-reduce crosses hosts in.
+inline std::pair<const char*, const char*> local_phase_names(const comm::Wire& wire) {
+  switch (wire.dtype) {
+    case comm::WireDtype::kFloat32: return {"reduce_scatter_tensor", "all_gather_into_tensor"};
+    case comm::WireDtype::kBFloat16:
+      return {"reduce_scatter_tensor[wire=bf16]", "all_gather_into_tensor[wire=bf16]"};
+    case comm::WireDtype::kInt8:
+      return wire.error_feedback ? std::make_pair("reduce_scatter_tensor[wire=int8+ef]",
+                                                  "all_gather_into_tensor[wire=int8+ef]")
+                                 : std::make_pair("reduce_scatter_tensor[wire=int8]",
+                                                  "all_gather_into_tensor[wire=int8]");
+  }
+  return {"reduce_scatter_tensor", "all_gather_into_tensor"};
+}
+
+// The operation's name in errors and records: which wire it ran with.
+inline const char* wire_op_name(const comm::Wire& wire) {
+  switch (wire.dtype) {
+    case comm::WireDtype::kFloat32: return "all_reduce";
+    case comm::WireDtype::kBFloat16: return "all_reduce[wire=bf16]";
+    case comm::WireDtype::kInt8:
+      return wire.error_feedback ? "all_reduce[wire=int8+ef]" : "all_reduce[wire=int8]";
+  }
+  return "all_reduce";
+}
 
 // Wait for one phase of a hierarchical operation; a failure names the operation (with
 // `detail`, e.g. the block), the rank's place in the hierarchy and the phase.
