@@ -128,11 +128,14 @@ class DDPConfig:
     hierarchical_allreduce, CPU parameters and float32, bfloat16 or float16 gradients; with
     one rank per host the hierarchy has one rank per host. On a group whose ranks all share
     a host nothing crosses a host, and the gradients stay as they are (a warning says so).
-    Not with a comm hook (which decides what it sends itself), nor yet under pycomm's
-    ZeroRedundancyOptimizer(release_gradients=True), whose reduce-scatter replaces the
-    all-reduce (with the gradients kept, the default, the sharded optimizer steps on what
-    the wire delivered). See Note [Low-precision wire] in csrc/shm/wire_codec.h;
-    ddp.reducer.wire says what is in effect."""
+    Not with a comm hook (which decides what it sends itself). Under pycomm's
+    ZeroRedundancyOptimizer(release_gradients=True) each bucket's reduce-scatter carries
+    the wire instead of the all-reduce: each host's sums of a rank's range cross once,
+    encoded, and the rank adds them in float32, so its gradients are rounded once (the
+    bucket's tail, fewer elements than ranks, crosses in float32); with the gradients kept
+    (the default) the sharded optimizer steps on what the all-reduce delivered. See Note
+    [Low-precision wire] in csrc/shm/wire_codec.h; ddp.reducer.wire says what is in effect
+    ('hook' once the sharded optimizer's hook replaced the all-reduce)."""
 
     wire_error_feedback: bool = False
     """With wire="int8": what the int8 encoding loses is kept per rank and added to the

@@ -64,14 +64,17 @@ class BucketAllreduce {
 // `backend` as a BucketAllreduce, or null when it does not offer one.
 BucketAllreduce* bucket_allreduce(const c10::intrusive_ptr<c10d::Backend>& backend);
 
-// What a backend spanning hosts offers: a sum all-reduce whose cross-host leg carries
-// `wire` with float32 sums, `residual` keeping its error feedback (pycomm's hierarchical
-// backend: Note [Low-precision wire] in shm/wire_codec.h).
+// What a backend spanning hosts offers: a sum all-reduce, and a sum reduce-scatter of the
+// tensor form (rank r's range of `input` at r x output.numel() into `output`), whose
+// cross-host legs carry `wire` with float32 sums, `residual` keeping their error feedback
+// (pycomm's hierarchical backend: Note [Low-precision wire] in shm/wire_codec.h).
 class WireCollectives {
  public:
   virtual ~WireCollectives() = default;
   virtual WorkPtr allreduce_wire(at::Tensor tensor, const Wire& wire,
                                  std::shared_ptr<WireResidual> residual) = 0;
+  virtual WorkPtr reduce_scatter_wire(at::Tensor output, at::Tensor input, const Wire& wire,
+                                      std::shared_ptr<WireResidual> residual) = 0;
 };
 
 // `backend` as a WireCollectives, or null when it does not offer one.

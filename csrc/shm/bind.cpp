@@ -3,6 +3,7 @@
 #include "shm/bind.h"
 
 #include <pybind11/stl.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "shm/backend.h"
@@ -112,6 +113,11 @@ void bind_shm(pybind11::module& m) {
 
 namespace {
 
+// A Work's future as Python's torch.futures.Future (the GIL held).
+pybind11::object future_object(const comm::WorkPtr& work) {
+  return torch::jit::toPyObject(c10::IValue(work->getFuture()));
+}
+
 void bind_hier(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<comm::WireResidual, std::shared_ptr<comm::WireResidual>>(
@@ -162,18 +168,45 @@ void bind_hier(pybind11::module& m) {
       .def(
           "allreduce_wire",
           [](shm::HierBackend& b, at::Tensor tensor, const std::string& wire, bool error_feedback,
-             std::shared_ptr<comm::WireResidual> residual) {
-            b.allreduce_wire(std::move(tensor), comm::Wire::parse(wire, error_feedback),
-                             std::move(residual))
-                ->wait();
+             std::shared_ptr<comm::WireResidual> residual, bool async_op) -> py::object {
+            comm::WorkPtr work;
+            {
+              py::gil_scoped_release nogil;
+              work = b.allreduce_wire(std::move(tensor), comm::Wire::parse(wire, error_feedback),
+                                      std::move(residual));
+              if (!async_op) work->wait();
+            }
+            return async_op ? future_object(work) : py::none();
           },
           py::arg("tensor"), py::arg("wire"), py::arg("error_feedback") = false,
-          py::arg("residual") = nullptr, py::call_guard<py::gil_scoped_release>(),
+          py::arg("residual") = nullptr, py::arg("async_op") = false,
           "Sum all-reduce of `tensor` in place whose cross-host leg carries `wire` ('fp32', "
           "'bf16' or 'int8') with float32 sums (Note [Low-precision wire]); returns when it is "
-          "done. "
+          "done, or with async_op a torch.futures.Future of it. "
           "error_feedback (int8) keeps its residuals in `residual` (a WireResidual) from one "
           "call to the next")
+      .def(
+          "reduce_scatter_wire",
+          [](shm::HierBackend& b, at::Tensor output, at::Tensor input, const std::string& wire,
+             bool error_feedback, std::shared_ptr<comm::WireResidual> residual,
+             bool async_op) -> py::object {
+            comm::WorkPtr work;
+            {
+              py::gil_scoped_release nogil;
+              work = b.reduce_scatter_wire(std::move(output), std::move(input),
+                                           comm::Wire::parse(wire, error_feedback),
+                                           std::move(residual));
+              if (!async_op) work->wait();
+            }
+            return async_op ? future_object(work) : py::none();
+          },
+          py::arg("output"), py::arg("input"), py::arg("wire"), py::arg("error_feedback") = false,
+          py::arg("residual") = nullptr, py::arg("async_op") = false,
+          "Sum reduce_scatter_tensor of `input` into `output` whose cross-host all-to-all "
+          "carries `wire` ('fp32', 'bf16' or 'int8'): each host's sums of this rank's range "
+          "cross once, encoded, and are added in float32 (Note [Low-precision wire]); returns "
+          "when it is done, or with async_op a torch.futures.Future of it. error_feedback "
+          "(int8) keeps its residuals in `residual` (a WireResidual)")
       .def_property("piece_bytes", &shm::HierBackend::piece_bytes,
                     &shm::HierBackend::set_piece_bytes,
                     "bytes per rank that cross hosts per step of the pipelines (See Note "

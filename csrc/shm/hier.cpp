@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
@@ -13,6 +15,7 @@
 #include "shm/hier_phase.h"
 #include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
+#include "shm/wire_codec.h"
 
 namespace pycomm::shm {
 
@@ -91,6 +94,25 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_reduce_scatter_base(
                  });
 }
 
+comm::WorkPtr HierBackend::reduce_scatter_wire(at::Tensor output, at::Tensor input,
+                                               const comm::Wire& wire,
+                                               std::shared_ptr<comm::WireResidual> residual) {
+  const char* op = local_phase_names(wire).first;
+  check_dense(op, output);
+  check_like(op, input, output, output.numel() * size_);
+  const auto dtype = output.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "pycomm ",
+                    op, ": the low-precision wire takes float32, bfloat16 or float16 tensors, got ",
+                    dtype);
+  TORCH_CHECK_VALUE(!wire.error_feedback || residual, "pycomm ", op,
+                    ": error feedback needs a residual to keep");
+  return enqueue(op, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
+                 [this, output, input, wire, residual, piece = piece_bytes_](uint64_t seq) {
+                   reduce_scatter_tensor(seq, piece, output, input, c10d::ReduceOp::SUM, wire,
+                                         residual.get());
+                 });
+}
+
 c10::intrusive_ptr<c10d::Work> HierBackend::_allgather_base(at::Tensor& output, at::Tensor& input,
                                                             const c10d::AllgatherOptions& opts) {
   check_dense("all_gather_into_tensor", input);
@@ -153,6 +175,7 @@ struct RangeBlocks {
   struct Block {
     at::Tensor data;
     c10::intrusive_ptr<c10d::Work> across;
+    at::Tensor sent;  // with a low-precision wire: the H encoded ranges, until they crossed
   };
 
   RangeBlocks(int64_t s, int64_t piece_bytes, const at::Tensor& t)
@@ -174,21 +197,41 @@ struct RangeBlocks {
 }  // namespace
 
 void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
-                                        const at::Tensor& input, c10d::ReduceOp::RedOpType reduce) {
-  const char* op = "reduce_scatter_tensor";
+                                        const at::Tensor& input, c10d::ReduceOp::RedOpType reduce,
+                                        comm::Wire wire, comm::WireResidual* residual) {
+  const char* op = local_phase_names(wire).first;
   const int64_t s = output.numel(), H = hosts_, L = local_->getSize();
   if (s == 0) return;
-  RangeBlocks blocks(s, piece_bytes, output);
-  const at::Tensor in = input.contiguous().view({-1});
+  // The low-precision wire encodes from and sums into float32 (Note [Low-precision wire]).
+  const at::Tensor in = wire.exact() ? input.contiguous().view({-1})
+                                     : input.contiguous().view({-1}).to(at::kFloat);
+  RangeBlocks blocks(s, piece_bytes, in);
   Dense out(output);
-  char* result = static_cast<char*>(out.work.data_ptr());
-  // Gloo has no AVG, so both stages sum and the last divides.
+  const at::Tensor home = out.work.view({-1});
+  const at::Tensor sums = wire.exact() ? home : home.to(at::kFloat);
+  char* result = static_cast<char*>(sums.data_ptr());
+  float* sent_residual = nullptr;
+  std::unique_lock<std::mutex> lock;
+  if (!wire.exact() && wire.error_feedback) {
+    // Block j's H ranges start at H x begin(j) of the rank's residual, range h at h x len(j)
+    // after that: H x s in all. The layout's five entries tell it from an all-reduce's.
+    lock = std::unique_lock<std::mutex>(residual->mutex);
+    std::vector<int64_t> layout{s, blocks.c, L, H, /*reduce-scatter*/ 1};
+    if (residual->layout != layout) {
+      residual->sent = at::zeros({H * s}, in.options());
+      residual->summed = at::Tensor();
+      residual->layout = std::move(layout);
+    }
+    sent_residual = residual->sent.data_ptr<float>();
+  }
+  // AVG: both stages sum, and the last divides once by the group's size.
   const bool average = reduce == c10d::ReduceOp::AVG;
   c10d::ReduceScatterOptions rs;
   rs.reduceOp = c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce);
   // Block j: into the chunk order (a copy: the output may be the rank's own range of the
   // input), reduce-scattered within the host, then across hosts on Gloo's threads: range
-  // h of `mine` goes to host h, this rank's range comes back from each (into `data`).
+  // h of `mine` goes to host h, this rank's range comes back from each (into `data`), in
+  // the wire's form where it has one.
   auto within = [&](int64_t j) {
     const int64_t len = blocks.len(j);
     at::Tensor chunks = at::empty({L * H * len}, in.options());
@@ -196,19 +239,39 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
     at::Tensor mine = at::empty({H * len}, in.options());
     wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
                "the reduce-scatter within the host",
-               local_->_reduce_scatter_base(mine, chunks, rs));
+               local_->reduce_scatter_tensor_as(op, mine, chunks, rs));
     auto& k = blocks.state[j];
-    k.data = at::empty({H * len}, in.options());
+    if (!wire.exact()) {  // each host's range encoded on its own
+      const int64_t slot = wire_bytes(wire.dtype, len);
+      k.sent = at::empty({H * slot}, in.options().dtype(at::kByte));
+      for (int64_t h = 0; h < H; ++h) {
+        float* r = sent_residual ? sent_residual + H * blocks.begin(j) + h * len : nullptr;
+        wire_encode(wire.dtype, mine.const_data_ptr<float>() + h * len, len,
+                    k.sent.data_ptr<uint8_t>() + h * slot, r);
+      }
+      mine = k.sent;
+    }
+    k.data = at::empty_like(mine);
     std::vector<int64_t> equal;  // empty splits: equal ones
     c10d::AllToAllOptions a2a;
     k.across = cross_->alltoall_base(k.data, mine, equal, equal, a2a);
   };
-  // Block j's H ranges summed in host order into the output.
+  // Block j's H ranges summed in host order into the output (decoded into float32 sums).
   auto finish = [&](int64_t j) {
     auto& k = blocks.state[j];
     const int64_t len = blocks.len(j);
     wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
                "the all-to-all across hosts", k.across);
+    if (!wire.exact()) {
+      const int64_t slot = wire_bytes(wire.dtype, len);
+      float* at = reinterpret_cast<float*>(result) + blocks.begin(j);
+      for (int64_t h = 0; h < H; ++h) {
+        wire_decode(wire.dtype, k.data.const_data_ptr<uint8_t>() + h * slot, len, at,
+                    /*add=*/h > 0);
+      }
+      k = {};
+      return;
+    }
     std::vector<const void*> srcs;
     for (int64_t h = 0; h < H; ++h) srcs.push_back(k.data.narrow(0, h * len, len).const_data_ptr());
     reduce_buffers(output.scalar_type(), reduce, result + blocks.begin(j) * output.element_size(),
@@ -220,6 +283,7 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
     if (j > 0) finish(j - 1);
   }
   finish(blocks.count - 1);
+  if (!sums.is_same(home)) home.copy_(sums);
   out.write_back();
 }
 

@@ -103,6 +103,11 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
   // wire_codec.h): float32, bfloat16 and float16 tensors.
   comm::WorkPtr allreduce_wire(at::Tensor tensor, const comm::Wire& wire,
                                std::shared_ptr<comm::WireResidual> residual) override;
+  // A sum reduce_scatter_tensor whose cross-host all-to-all carries `wire`: each host's
+  // sums of the rank's range cross once, encoded, and the rank adds the H of them in
+  // float32 (Note [Low-precision wire]); float32, bfloat16 and float16 tensors.
+  comm::WorkPtr reduce_scatter_wire(at::Tensor output, at::Tensor input, const comm::Wire& wire,
+                                    std::shared_ptr<comm::WireResidual> residual) override;
 
   // Everything else goes to the flat group.
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
@@ -183,9 +188,11 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
   void run(const char* op, uint64_t seq, int64_t piece_bytes, const at::Tensor& t,
            c10d::ReduceOp::RedOpType reduce, comm::Wire wire = {},
            comm::WireResidual* residual = nullptr);
-  // Note [Hierarchical reduce-scatter and all-gather], on the lane.
+  // Note [Hierarchical reduce-scatter and all-gather], on the lane. With a low-precision
+  // `wire` (a sum), its all-to-all as Note [Low-precision wire] says.
   void reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
-                             const at::Tensor& input, c10d::ReduceOp::RedOpType reduce);
+                             const at::Tensor& input, c10d::ReduceOp::RedOpType reduce,
+                             comm::Wire wire = {}, comm::WireResidual* residual = nullptr);
   void all_gather_tensor(uint64_t seq, int64_t piece_bytes, const at::Tensor& output,
                          const at::Tensor& input);
   // Copy between the group's layout (rank r's range at r x s) and the chunk order of one

@@ -228,7 +228,7 @@ void HierBackend::run(const char* op, uint64_t seq, int64_t piece_bytes, const a
   at::Tensor work = wire.exact() ? flat : flat.to(at::kFloat);
   std::unique_lock<std::mutex> lock;
   if (residual) lock = std::unique_lock<std::mutex>(residual->mutex);
-  // Gloo has no AVG: sum in both stages, divide once at the end.
+  // AVG: both stages sum, and the end divides once by the group's size.
   const bool average = reduce == c10d::ReduceOp::AVG;
   BlockPipeline({op, seq, rank_, host_, hosts_}, work, *local_, *cross_,
                 c10d::ReduceOp(average ? c10d::ReduceOp::SUM : reduce), piece_bytes, wire, residual)

@@ -26,6 +26,11 @@ namespace pycomm::shm {
 //      bytes, so every rank of the group ends with the same bits.
 // Bytes out of a host, against the float32 all-reduce's 2 (H-1)/H x 4 per element: bf16
 // sends 2 + 2 (0.5x); int8 1 + 1 plus a float32 scale per kInt8Block elements (0.254x).
+// The reduce-scatter (a sharded optimizer's released buckets: Note [Hierarchical
+// reduce-scatter and all-gather] in hier.h) has step 1 only: its all-to-all carries each
+// host's sums of the H ranges, each range encoded on its own, and each rank decodes the H
+// encodings of its own range and adds them in float32, in host order. Nothing comes back,
+// so its gradients are rounded once; each rank ends with its own range, as in float32.
 // int8 is symmetric, per block of kInt8Block elements: scale = max|x| / 127, q = x / scale
 // rounded to nearest even, so a block's largest element maps to +-127 and every element
 // decodes within scale / 2 (plus the float rounding of q x scale). The block is 256 elements (1 KiB
@@ -36,12 +41,11 @@ namespace pycomm::shm {
 // more of its neighbours (a tensor boundary inside a block costs the smaller tensor precision).
 // Error feedback (wire_error_feedback, int8 only): what encoding loses, x - decoded(x), is
 // kept per rank and added to the next step's value before it is encoded, both for the
-// rank's share it sends (step 1) and for the sums it owns (step 3): over steps the losses
-// cancel instead of adding up. Residuals live with the caller (comm::WireResidual, one per
-// DDP bucket) and restart at zero when the bucket changes.
-// Non-finite values: bf16 keeps inf and nan; an int8 block holding one decodes as nan
-// throughout (a GradScaler still sees it and skips the step), and leaves its residuals
-// as they were.
+// rank's share it sends (step 1) and for the sums it owns (step 3; the reduce-scatter has
+// none): over steps the losses cancel instead of adding up. Residuals live with the caller
+// (comm::WireResidual, one per DDP bucket) and restart at zero when the bucket changes. Non-finite
+// values: bf16 keeps inf and nan; an int8 block holding one decodes as nan throughout (a GradScaler
+// still sees it and skips the step), and leaves its residuals as they were.
 
 // Elements per int8 scale.
 constexpr int64_t kInt8Block = 256;

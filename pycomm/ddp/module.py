@@ -264,14 +264,9 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         pre_divided in csrc/reducer/comm_hook.h); `in_place_hook` is its form for
         gradients reduced where they are, which the optimizer switches on
         (reducer.set_comm_hook_in_place). Also between steps after training began (See
-        Note [Wrapped after the optimizer] in pycomm/zero/binding.py)."""
-        if self.reducer.wire not in ("fp32", "hook"):
-            raise NotImplementedError(f"ZeroRedundancyOptimizer(release_gradients=True) on "
-                                      f"a pycomm DDP with DDPConfig(wire="
-                                      f"{self.config.wire!r}): its reduce-scatter does not "
-                                      f"yet carry a low-precision wire; keep the gradients "
-                                      f"(release_gradients=False, the default: the DDP's "
-                                      f"all-reduce carries the wire) or use wire='fp32'")
+        Note [Wrapped after the optimizer] in pycomm/zero/binding.py). The hook's
+        collectives carry the DDP's wire (DDPConfig.wire) where it is in effect: read
+        reducer.wire before registering, as it says "hook" after."""
         if self._sync.comm_hook is not None:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "

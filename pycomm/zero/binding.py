@@ -14,7 +14,10 @@ collectives only sum, with DDP's numerics):
   Note [Hierarchical reduce-scatter and all-gather] in csrc/shm/hier.h; NCCL's), so each
   rank receives the averaged gradients of its range only; the tail is all-reduced. On a
   plain Gloo group, whose reduce-scatter is one all-reduce per rank, the bucket is
-  all-reduced instead (the same bytes as DDP). The hook
+  all-reduced instead (the same bytes as DDP). With the DDP's low-precision wire in
+  effect (DDPConfig.wire across hosts), the reduce-scatter carries it: each host's sums
+  cross once, encoded, and are added in float32 (Note [Low-precision wire] in
+  csrc/shm/wire_codec.h; hook.py's HookState.wire). The hook
   keeps the rank's range and the tail (hook.py's HookState.grads) and frees the bucket's storage;
   the reducer drops each param.grad once copied (Note [Released gradients] in
   csrc/reducer/launch.cpp). Over shared memory nothing is copied once the shards are

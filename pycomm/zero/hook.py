@@ -4,11 +4,12 @@ binding.py), and what the hook keeps for the step (HookState)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import _C
 from .layout import split
 
 # torch 2.13 renamed the tensor form (the old name warns); torch 2.11 has only the old one.
@@ -42,6 +43,15 @@ class HookState:
         # real reduce-scatter whose bucket is released anyway.
         self.in_place = reduce_scatter and release
         self._reducer = None  # the DDP's, once the hooks are registered on it
+        # The low-precision wire the DDP's buckets cross hosts in (DDPConfig.wire, where
+        # the DDP's reducer puts it in effect: a group spanning hosts), which the bucket
+        # collectives here carry too; None: float32. Its error-feedback residuals per
+        # bucket index, restarted when the buckets are re-cut.
+        self.wire: Optional[tuple[str, bool]] = None
+        if ddp.reducer.wire not in ("fp32", "hook"):
+            self.wire = (ddp.config.wire, ddp.config.wire_error_feedback)
+            self.backend = self.group._get_backend(torch.device("cpu"))
+        self.residuals: dict[int, Any] = {}
 
     @property
     def final(self) -> bool:
@@ -50,6 +60,7 @@ class HookState:
     @final.setter
     def final(self, value: bool) -> None:
         self._final = value
+        self.residuals.clear()  # the buckets are re-cut
         if self._reducer is not None:
             self._reducer.set_comm_hook_in_place(value and self.in_place)
 
@@ -62,6 +73,18 @@ class HookState:
         """The optimizer's zero_grad: nothing reduced since."""
         self.fresh.clear()
         self.first.clear()
+
+
+def _wire_args(state: HookState, index: int, buf: torch.Tensor) -> Optional[dict]:
+    """The arguments of bucket `index`'s wire collectives (HierBackend's allreduce_wire and
+    reduce_scatter_wire), or None where the bucket crosses hosts in float32."""
+    if state.wire is None or not buf.is_cpu:
+        return None
+    wire, feedback = state.wire
+    residual = None
+    if feedback:
+        residual = state.residuals.setdefault(index, _C.WireResidual())
+    return dict(wire=wire, error_feedback=feedback, residual=residual, async_op=True)
 
 
 def _raise_failure(future: torch.futures.Future) -> None:
@@ -122,6 +145,9 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
                 _free(buf)
             return buf
 
+        wire = _wire_args(state, index, buf)
+        if wire is not None:
+            return state.backend.allreduce_wire(buf, **wire).then(keep_whole)
         return dist.all_reduce(buf, group=group, async_op=True).get_future().then(keep_whole)
     # Unless it adds to what an earlier backward kept, or the bucket stays (not released:
     # its range must hold the average too), the reduce-scatter writes the range straight
@@ -131,10 +157,14 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     direct = state.reduce_scatter and state.release and not add
     futures = []
     if state.reduce_scatter:
-        if s:
-            futures.append(_reduce_scatter(
-                out[:s] if direct else buf[rank * s:(rank + 1) * s], buf[:world * s],
-                group=group, async_op=True).get_future())
+        wire = _wire_args(state, index, buf)
+        range_out = out[:s] if direct else buf[rank * s:(rank + 1) * s]
+        if s and wire is not None:
+            futures.append(state.backend.reduce_scatter_wire(range_out, buf[:world * s], **wire))
+        elif s:
+            futures.append(_reduce_scatter(range_out, buf[:world * s], group=group,
+                                           async_op=True).get_future())
+        # the tail, fewer elements than ranks, in float32
         if buf.numel() > world * s:
             futures.append(dist.all_reduce(buf[world * s:], group=group,
                                            async_op=True).get_future())

@@ -171,12 +171,14 @@ def test_ddp_uses_the_hierarchy(hierarchical):
     run_ranks(_ddp_hierarchical, world_size=4, hierarchical=hierarchical)
 
 
-def _hierarchical_sum(x_of, ranks, s, piece):
+def _hierarchical_sum(x_of, ranks, s, piece, wire=None):
     """The float32 reduce-scatter the hierarchy computes, in its order (Note [Hierarchical
     reduce-scatter and all-gather]), every rank's range of `s`, block by block (`piece`
     elements of each range): each host's ranks as its shared-memory reduce-scatter of the
     block's chunks adds them (Gloo's ring order, tests/support/gloo_order.py; local rank k
-    keeps chunk k), then the hosts in order."""
+    keeps chunk k), then the hosts in order. `wire`: what crossing hosts makes of each
+    host's sum of a range (a low-precision wire's rounding), the sums still in float32."""
+    wire = wire or (lambda t: t)
     H, L = len(ranks), len(ranks[0])
     out = torch.empty(H * L * s)
     for b in range(0, s, piece):
@@ -190,9 +192,9 @@ def _hierarchical_sum(x_of, ranks, s, piece):
         for k in range(L):
             for hh in range(H):
                 at = (k * H + hh) * n
-                total = within[0][at:at + n].clone()
+                total = wire(within[0][at:at + n]).clone()
                 for h in range(1, H):
-                    total += within[h][at:at + n]
+                    total += wire(within[h][at:at + n])
                 r = ranks[hh][k]
                 out[r * s + b:r * s + b + n] = total
     return out
