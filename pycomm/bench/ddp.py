@@ -238,6 +238,14 @@ def _timed(model, ddp, opt, x, steps: int, no_sync: bool,
     return out
 
 
+def _settle(opt: torch.optim.Optimizer) -> None:
+    """Wait for what a sharded optimizer's last step left running (overlap_with_ddp runs the
+    parameter all-gathers behind the next forward): those bytes belong to the steps that
+    issued them, and must not cross the link while the next block is timed."""
+    if hasattr(opt, "wait_for_params"):
+        opt.wait_for_params()
+
+
 def _wire_bytes() -> float:
     """Bytes this host sent so far on the interface Gloo uses across hosts
     (GLOO_SOCKET_IFNAME, set by --hosts runs), or nan elsewhere."""
@@ -316,6 +324,7 @@ def run_model(cfg: Config, name: str) -> list[Result]:
         for _ in range(cfg.warmup):
             _step(model, opt, x)
         _timed(model, ddp, opt, x, 1, no_sync=True)  # a compiled no_sync step may recompile
+        _settle(opt)
         added = [_memory_bytes(device) - before, sharded.state_bytes(opt)]
         runs[variant] = (model, ddp, opt, {False: [], True: [], "overlap": [], "wire": [],
                                            "hidden": [], "memory": _rank_max([added])[0]})
@@ -328,6 +337,7 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                 sent = _wire_bytes()
                 samples[no_sync] += _rank_max(_timed(model, ddp, opt, x, cfg.steps, no_sync,
                                                      cfg.clip))
+                _settle(opt)  # these steps' last all-gathers are theirs
                 if not no_sync:
                     samples["wire"].append((_wire_bytes() - sent) / cfg.steps)
                     samples["overlap"] += _overlaps(ddp, cfg.steps)
