@@ -105,6 +105,7 @@ IMPLS = {
     # --optimizer adamw.
     "pycomm_zero": sharded.pycomm_zero,
     "pycomm_zero_released": sharded.pycomm_zero,
+    **{impl: sharded.pycomm_zero_wire(wire) for impl, wire in sharded.ZERO_WIRES.items()},
     "torch_zero": sharded.torch_zero,
     "fsdp2": sharded.fsdp2,
     # FSDP2 on a group of the same ranks over pycomm's shared-memory backend: only with

@@ -27,15 +27,18 @@ from ..zero.gathers import attach
 # ones stepping their flat pieces with it: the fastest AdamW a GPU user picks.
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-6}), "adamw": (torch.optim.AdamW, {"lr": 1e-4}),
               "adamw_fused": (torch.optim.AdamW, {"lr": 1e-4, "fused": True})}
-PYCOMM_ZERO = ("pycomm_zero", "pycomm_zero_released")
+# pycomm_zero_released on a DDP whose gradients cross hosts in a low-precision wire
+# (DDPConfig.wire), which its reduce-scatter carries: for --hosts runs, with --impls.
+ZERO_WIRES = {"pycomm_zero_released_wire_bf16": "bf16", "pycomm_zero_released_wire_int8": "int8"}
+PYCOMM_ZERO = ("pycomm_zero", "pycomm_zero_released", *ZERO_WIRES)
 SHARDED = (*PYCOMM_ZERO, "torch_zero", "torch_zero_fused", "fsdp2", "fsdp2_pycomm")
 # The fast anchors of an AdamW run: each DDP (or torch's ZeRO) with torch's fused=True
 # AdamW whatever --optimizer names, and pycomm's DDP with pycomm.optim.AdamW (torch's
 # for-loop bits in one pass). Each maps to the implementation whose DDP it builds.
 ANCHORS = {"pycomm_fused": "pycomm", "pycomm_onepass": "pycomm", "torch_fused": "torch",
            "torch_zero_fused": "torch_zero"}
-ADAMW_IMPLS = ("pycomm_fused", "pycomm_onepass", *PYCOMM_ZERO, "torch_fused",
-               "torch_zero_fused", "fsdp2")
+ADAMW_IMPLS = ("pycomm_fused", "pycomm_onepass", "pycomm_zero", "pycomm_zero_released",
+               "torch_fused", "torch_zero_fused", "fsdp2")
 
 
 def fsdp2(module: nn.Module, bucket_cap_mb: float, backend: str = "") -> nn.Module:
@@ -70,6 +73,11 @@ def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
     return PycommDDP(module, config=DDPConfig(**kwargs))
 
 
+def pycomm_zero_wire(wire: str):
+    """The DDP of a ZERO_WIRES implementation: pycomm_zero's with DDPConfig(wire=wire)."""
+    return lambda module, **kwargs: pycomm_zero(module, wire=wire, **kwargs)
+
+
 def optimizer(impl: str, model: nn.Module, name: str) -> torch.optim.Optimizer:
     cls, options = OPTIMIZERS[name]
     if impl in ANCHORS:  # configure() allows them with an AdamW only
@@ -79,7 +87,7 @@ def optimizer(impl: str, model: nn.Module, name: str) -> torch.optim.Optimizer:
         impl = ANCHORS[impl]
     if impl in PYCOMM_ZERO:
         return ZeroRedundancyOptimizer(model.parameters(), cls, overlap_with_ddp=True,
-                                       release_gradients=impl == "pycomm_zero_released",
+                                       release_gradients=impl != "pycomm_zero",
                                        **options)
     if impl == "torch_zero":
         from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
