@@ -281,6 +281,7 @@ class DDPBinding:
             self._ddp.rebuild_buckets_if_due()
             self._first_grads, state.first, state.final = state.first, {}, True
         if shard_layout.signature(self._buckets()) != self._signature:
+            state.residuals.clear()  # the wire's feedback of buckets that now hold others
             self._relayout(self._whole_states() if self._holds_state else None)
 
     def _adopt_ddp(self) -> None:

@@ -51,7 +51,7 @@ class HookState:
         if ddp.reducer.wire not in ("fp32", "hook"):
             self.wire = (ddp.config.wire, ddp.config.wire_error_feedback)
             self.backend = self.group._get_backend(torch.device("cpu"))
-        self.residuals: dict[int, Any] = {}
+        self.residuals: dict[int, Any] = {}  # cleared by `final` and by a re-cut
 
     @property
     def final(self) -> bool:
@@ -81,9 +81,9 @@ def _wire_args(state: HookState, index: int, buf: torch.Tensor) -> Optional[dict
     if state.wire is None or not buf.is_cpu:
         return None
     wire, feedback = state.wire
-    residual = None
-    if feedback:
-        residual = state.residuals.setdefault(index, _C.WireResidual())
+    residual = state.residuals.get(index)
+    if feedback and residual is None:
+        residual = state.residuals[index] = _C.WireResidual()
     return dict(wire=wire, error_feedback=feedback, residual=residual, async_op=True)
 
 

@@ -143,7 +143,8 @@ def _loss(model, x):
 
 def _zero_wire(rank, world, wire, feedback, tol, compile_too):
     """ZeroRedundancyOptimizer(release_gradients=True) on a DDP with the wire, against the
-    same on a float32 DDP, through the first step (whole buckets all-reduced in the wire),
+    same on a float32 DDP, through the first step (whole buckets all-reduced in the wire:
+    the all-reduce's shared-memory phases, its all-gather among them, carry the wire's name),
     no_sync accumulation, the DDP's clip from the shards, join with uneven inputs and
     torch.compile: after the first step every bucket crosses hosts in the wire's
     reduce-scatter, the ranks' parameters stay bit for bit equal, and close to float32's."""
@@ -163,7 +164,13 @@ def _zero_wire(rank, world, wire, feedback, tol, compile_too):
         seen = 0
         for i in range(3):
             if i == 1:  # from here the buckets are final: reduce-scattered
-                seen = max(e["seq"] for e in pycomm.shm.flight_record(ddp.gradient_group))
+                record = pycomm.shm.flight_record(ddp.gradient_group)
+                seen = max(e["seq"] for e in record)
+                if w != "fp32":  # the first step all-reduced whole buckets in the wire
+                    label = w + ("+ef" if fb else "")
+                    assert {e["op"] for e in record if "[wire=" in e["op"]} == {
+                        f"reduce_scatter_tensor[wire={label}]",
+                        f"all_gather_into_tensor[wire={label}]"}
             zero.zero_grad()
             with ddp.no_sync():  # accumulated locally: nothing crosses
                 _loss(ddp, x[0]).backward()
