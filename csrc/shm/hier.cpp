@@ -208,7 +208,10 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
   RangeBlocks blocks(s, piece_bytes, in);
   Dense out(output);
   const at::Tensor home = out.work.view({-1});
-  const at::Tensor sums = wire.exact() ? home : home.to(at::kFloat);
+  // the wire's float32 sums: the output itself, or a buffer every block writes whole
+  const at::Tensor sums = wire.exact() || home.scalar_type() == at::kFloat
+                              ? home
+                              : at::empty({s}, home.options().dtype(at::kFloat));
   char* result = static_cast<char*>(sums.data_ptr());
   float* sent_residual = nullptr;
   std::unique_lock<std::mutex> lock;
@@ -264,9 +267,9 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
                "the all-to-all across hosts", k.across);
     if (!wire.exact()) {
       const int64_t slot = wire_bytes(wire.dtype, len);
-      float* at = reinterpret_cast<float*>(result) + blocks.begin(j);
+      float* range = reinterpret_cast<float*>(result) + blocks.begin(j);
       for (int64_t h = 0; h < H; ++h) {
-        wire_decode(wire.dtype, k.data.const_data_ptr<uint8_t>() + h * slot, len, at,
+        wire_decode(wire.dtype, k.data.const_data_ptr<uint8_t>() + h * slot, len, range,
                     /*add=*/h > 0);
       }
       k = {};
