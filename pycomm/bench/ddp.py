@@ -338,11 +338,12 @@ def run_model(cfg: Config, name: str) -> list[Result]:
                 sent = _wire_bytes()
                 samples[no_sync] += _rank_max(_timed(model, ddp, opt, x, cfg.steps, no_sync,
                                                      cfg.clip))
+                if not no_sync:  # before _settle, whose wait is the bench's, not the forward's
+                    samples["overlap"] += _overlaps(ddp, cfg.steps)
+                    samples["hidden"].append(_rank_min(sharded.gather_hidden(opt, cfg.steps)))
                 _settle(opt)  # these steps' last all-gathers are theirs
                 if not no_sync:
                     samples["wire"].append((_wire_bytes() - sent) / cfg.steps)
-                    samples["overlap"] += _overlaps(ddp, cfg.steps)
-                    samples["hidden"].append(_rank_min(sharded.gather_hidden(opt, cfg.steps)))
     if cfg.trace:
         _write_traces(cfg, name, runs)
     params = sum(p.numel() for p in module.parameters())
