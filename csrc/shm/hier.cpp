@@ -100,12 +100,7 @@ comm::WorkPtr HierBackend::reduce_scatter_wire(at::Tensor output, at::Tensor inp
   const char* op = local_phase_names(wire).first;
   check_dense(op, output);
   check_like(op, input, output, output.numel() * size_);
-  const auto dtype = output.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "pycomm ",
-                    op, ": the low-precision wire takes float32, bfloat16 or float16 tensors, got ",
-                    dtype);
-  TORCH_CHECK_VALUE(!wire.error_feedback || residual, "pycomm ", op,
-                    ": error feedback needs a residual to keep");
+  check_wire(op, output, wire, residual != nullptr);
   return enqueue(op, c10d::OpType::_REDUCE_SCATTER_BASE, {output},
                  [this, output, input, wire, residual, piece = piece_bytes_](uint64_t seq) {
                    reduce_scatter_tensor(seq, piece, output, input, c10d::ReduceOp::SUM, wire,

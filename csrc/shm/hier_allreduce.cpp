@@ -206,12 +206,7 @@ comm::WorkPtr HierBackend::allreduce_wire(at::Tensor tensor, const comm::Wire& w
                                           std::shared_ptr<comm::WireResidual> residual) {
   const char* op = wire_op_name(wire);
   check_dense(op, tensor);
-  const auto dtype = tensor.scalar_type();
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "pycomm ",
-                    op, ": the low-precision wire takes float32, bfloat16 or float16 tensors, got ",
-                    dtype);
-  TORCH_CHECK_VALUE(!wire.error_feedback || residual, "pycomm ", op,
-                    ": error feedback needs a residual to keep");
+  check_wire(op, tensor, wire, residual != nullptr);
   return enqueue(op, c10d::OpType::ALLREDUCE, {tensor},
                  [this, op, tensor, wire, residual, piece = piece_bytes_](uint64_t seq) {
                    run(op, seq, piece, tensor, c10d::ReduceOp::SUM, wire, residual.get());

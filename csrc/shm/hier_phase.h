@@ -42,6 +42,18 @@ inline const char* wire_op_name(const comm::Wire& wire) {
   return "all_reduce";
 }
 
+// What a wire operation `op` takes: float32, bfloat16 or float16 tensors, and with error
+// feedback a residual to keep; anything else is a ValueError naming the operation.
+inline void check_wire(const char* op, const at::Tensor& t, const comm::Wire& wire,
+                       bool has_residual) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "pycomm ",
+                    op, ": the low-precision wire takes float32, bfloat16 or float16 tensors, got ",
+                    dtype);
+  TORCH_CHECK_VALUE(!wire.error_feedback || has_residual, "pycomm ", op,
+                    ": error feedback needs a residual to keep");
+}
+
 // Wait for one phase of a hierarchical operation; a failure names the operation (with
 // `detail`, e.g. the block), the rank's place in the hierarchy and the phase.
 inline void wait_phase(const char* op, uint64_t seq, const std::string& detail, int rank, int host,
