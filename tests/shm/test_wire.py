@@ -338,20 +338,32 @@ def test_wire_with_no_sync_clip_join_and_compile(wire, feedback, tol):
     run_ranks(_features, world_size=4, wire=wire, feedback=feedback, tol=tol)
 
 
-def _host_dies(rank, world):
-    """Host 1's first rank exits during a wire all-reduce: every other rank's fails within
-    the group timeout, naming the wire, the hierarchy and the phase."""
+def _host_dies(rank, world, op):
+    """Host 1's first rank exits during a wire collective (`op`: the all-reduce in bf16, or
+    the reduce-scatter in int8): every other rank's fails within the group timeout, naming
+    the wire, the hierarchy and the phase."""
     _, backend = _wire_backend(rank, [2, 2])
-    backend.allreduce_wire(torch.ones(1000), "bf16")  # a healthy one first
-    big = torch.ones(8 << 20)
+    if op == "all_reduce":
+        name = r"all_reduce\[wire=bf16\]"
+
+        def run(n):
+            backend.allreduce_wire(torch.ones(n), "bf16")
+    else:
+        name = r"reduce_scatter_tensor\[wire=int8\]"
+
+        def run(n):
+            n -= n % world
+            backend.reduce_scatter_wire(torch.empty(n // world), torch.ones(n), "int8")
+    run(1000)  # a healthy one first
     if rank == 2:
         os._exit(0)  # exit code 0: the launcher lets the other ranks go on
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"pycomm all_reduce\[wire=bf16\] #\d+ "
+    with pytest.raises(RuntimeError, match=rf"pycomm {name} #\d+ "
                                            r"\(hierarchical.*on rank \d \(host \d of 2"):
-        backend.allreduce_wire(big, "bf16")
+        run(8 << 20)
     assert time.monotonic() - start < 30
 
 
-def test_a_dead_host_is_named_in_the_wire_all_reduce():
-    run_ranks(_host_dies, world_size=4, group_timeout_s=15)
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
+def test_a_dead_host_is_named_in_the_wire_collectives(op):
+    run_ranks(_host_dies, world_size=4, group_timeout_s=15, op=op)
