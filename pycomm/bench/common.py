@@ -41,6 +41,52 @@ def device_of(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+_ARRIVED, _ALL_ARRIVED = "pycomm/leave/arrived", "pycomm/leave/all_arrived"
+_LEFT, _ALL_LEFT = "pycomm/leave/left", "pycomm/leave/all_left"
+
+
+def _arrive(store: dist.Store, world_size: int) -> None:
+    if store.add(_ARRIVED, 1) == world_size:
+        store.set(_ALL_ARRIVED, "1")
+
+
+def _depart(store: dist.Store, world_size: int) -> None:  # every rank but 0
+    if store.add(_LEFT, 1) == world_size - 1:
+        store.set(_ALL_LEFT, "1")
+
+
+def leave_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
+    """Destroy the default process group once every rank has finished its collectives.
+
+    Gloo closes a group's connections hard (SO_LINGER 0, a reset), which can discard what
+    a rank has just written and a peer has not read yet: a rank that destroys its group
+    while a peer still waits on the last collective can leave that peer waiting out its
+    timeout on a recv (a 3-rank test's 60 s Gloo timeout, about 1 run in 10 of the whole
+    suite on a loaded machine). So the ranks meet in the store first, which carries no
+    collective, and rank 0 leaves last: its store may be the server the others meet in. A
+    rank that exits on purpose without its group calls `abandon_group` instead."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world_size > 1:
+        _arrive(store, world_size)
+        store.wait([_ALL_ARRIVED], timeout)
+    dist.destroy_process_group()
+    if world_size > 1:
+        if rank == 0:
+            store.wait([_ALL_LEFT], timeout)
+        else:
+            _depart(store, world_size)
+
+
+def abandon_group(store: dist.Store, rank: int, world_size: int) -> None:
+    """Count this rank as arrived and gone at `leave_group`'s meeting, for a rank about to
+    exit without its group (a test's simulated crash), so that the others do not wait
+    for it there."""
+    if world_size > 1:
+        _arrive(store, world_size)
+        if rank != 0:
+            _depart(store, world_size)
+
+
 def _rank_entry(rank: int, body: Callable, nproc: int, backend: str, tmp: str,
                 timeout_s: float, threads: Optional[int], args: Any) -> None:
     if threads:
@@ -48,7 +94,7 @@ def _rank_entry(rank: int, body: Callable, nproc: int, backend: str, tmp: str,
     store = dist.FileStore(os.path.join(tmp, "store"), nproc)
     _init(backend, timeout_s, rank=rank, world_size=nproc, store=store)
     result = body(args)
-    dist.destroy_process_group()
+    leave_group(store, rank, nproc, timeout_s)
     if rank == 0:
         with open(os.path.join(tmp, _RESULT_FILE), "wb") as f:
             pickle.dump(result, f)

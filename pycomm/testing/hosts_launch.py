@@ -193,6 +193,8 @@ def _main(name: str, kwargs_path: str, result_path: str, group_timeout_s: str) -
     import torch
     import torch.distributed as dist
 
+    from pycomm.bench.common import leave_group
+
     torch.set_num_threads(1)
     module, qualname = name.split(":")
     fn = importlib.import_module(module)
@@ -207,7 +209,8 @@ def _main(name: str, kwargs_path: str, result_path: str, group_timeout_s: str) -
     with open(result_path + ".tmp", "wb") as f:
         pickle.dump(value, f)
     os.replace(result_path + ".tmp", result_path)
-    dist.destroy_process_group()
+    leave_group(dist.distributed_c10d._get_default_store(), dist.get_rank(),
+                dist.get_world_size(), float(group_timeout_s))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,6 @@ the wrong thing, and a rank that dies mid-step."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,7 +13,7 @@ from torch import nn
 
 import pycomm
 from tests.support.ddp_models import build, loss_of, make_input
-from tests.support.multirank import run_ranks
+from tests.support.multirank import exit_rank, run_ranks
 
 DDP = pycomm.DistributedDataParallel
 
@@ -95,7 +93,7 @@ def _dead_rank(rank, world_size):
     ddp = DDP(build("mlp"), bucket_cap_mb=1e-6)
     out = loss_of(ddp(make_input("mlp", rank, 0)))
     if rank == 1:
-        os._exit(0)  # dies before its backward: rank 0's first bucket has no partner
+        exit_rank()  # dies before its backward: rank 0's first bucket has no partner
     _raises(RuntimeError, r"rank 0\): the collective of bucket 0 of 6 .* failed or timed out",
             out.backward)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
 import time
 import warnings
 
@@ -19,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
 from tests.support.ddp_models import assert_same, build, loss_of, make_input, manual_average
-from tests.support.multirank import run_ranks
+from tests.support.multirank import exit_rank, run_ranks
 
 DDP = pycomm.DistributedDataParallel
 
@@ -120,7 +119,7 @@ def _dies_in_backward(rank, world_size, shm):
     ddp = DDP(build("mlp"), config=pycomm.DDPConfig(bucket_cap_mb=1e-6,
                                                     shared_memory_gradients=shm))
     if rank == 1:
-        ddp.module.net[0].weight.register_hook(lambda g: os._exit(0))
+        ddp.module.net[0].weight.register_hook(lambda g: exit_rank())
     loss = loss_of(ddp(make_input("mlp", rank, 0)))
     if rank == 1:
         loss.backward()  # exits after launching buckets 0-3 (or 0-4) of 6

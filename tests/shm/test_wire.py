@@ -8,7 +8,6 @@ feedback cancels it over steps; and DDP's option, its refusals and its report.""
 from __future__ import annotations
 
 import copy
-import os
 import time
 import warnings
 
@@ -20,7 +19,7 @@ import pycomm
 import pycomm.shm
 from tests.shm.test_hierarchical_on_one_host import _pretend_hosts
 from tests.support.ddp_models import build
-from tests.support.multirank import run_ranks
+from tests.support.multirank import exit_rank, run_ranks
 
 
 def _wire_backend(rank, per_host, piece_bytes=None):
@@ -356,7 +355,7 @@ def _host_dies(rank, world, op):
             backend.reduce_scatter_wire(torch.empty(n // world), torch.ones(n), "int8")
     run(1000)  # a healthy one first
     if rank == 2:
-        os._exit(0)  # exit code 0: the launcher lets the other ranks go on
+        exit_rank()
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=rf"pycomm {name} #\d+ "
                                            r"\(hierarchical.*on rank \d \(host \d of 2"):
