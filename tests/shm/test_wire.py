@@ -93,6 +93,46 @@ def test_bf16_wire_sums_in_float32_in_the_noted_order(per_host, piece_bytes):
               piece_bytes=piece_bytes)
 
 
+def _int8(x):
+    """One int8 encoding and its decoding, in float32 as the codec computes it: per block of
+    256 elements, scale = max|x| / 127, x / scale rounded to nearest even (x x (127 / max)),
+    decoded as q x scale."""
+    out = torch.empty_like(x)
+    for begin in range(0, x.numel(), 256):
+        v = x[begin:begin + 256]
+        m = v.abs().max()
+        inv = torch.tensor(127.0) / m
+        q = torch.clamp(torch.round(v * inv), -127, 127)
+        out[begin:begin + 256] = q * (m / torch.tensor(127.0))
+    return out
+
+
+def _int8_exact(rank, world):
+    """One rank per host: each host's piece is the whole tensor (one block), cut into
+    `world` chunks; chunk h's encodings summed in float32 in host order by its owner,
+    the sum encoded once and decoded by all."""
+    _, backend = _wire_backend(rank, [1] * world)
+    for n in (1, 5, 256, 700, 4099):
+        g = torch.Generator().manual_seed(n + 13 * rank)
+        x = torch.randn(n, generator=g) * torch.logspace(-4, 2, n)
+        xs = _gathered(x, world)
+        q = -(-n // world)
+        want = torch.empty(n)
+        for h in range(world):
+            c = slice(h * q, min(n, (h + 1) * q))
+            acc = _int8(xs[0][c])
+            for r in range(1, world):
+                acc = acc + _int8(xs[r][c])
+            want[c] = _int8(acc)
+        backend.allreduce_wire(x, "int8")
+        assert torch.equal(x, want), (n, (x - want).abs().max())
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_int8_wire_is_the_noted_encoding_bit_for_bit(hosts):
+    run_ranks(_int8_exact, world_size=hosts)
+
+
 def _int8_bound(rank, world, per_host, piece_bytes):
     _, backend = _wire_backend(rank, per_host, piece_bytes)
     hosts = len(per_host)
