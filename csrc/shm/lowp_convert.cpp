@@ -44,7 +44,7 @@ bool have_f16c() {
 
 }  // namespace
 
-void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
+PYCOMM_SHM_CLONES void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = bits(src);
   for (int64_t i = 0; i < n; ++i) {
     const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
@@ -52,7 +52,7 @@ void to_float(const c10::BFloat16* src, float* dst, int64_t n) {
   }
 }
 
-void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
+PYCOMM_SHM_CLONES void from_float(const float* src, c10::BFloat16* dst, int64_t n) {
   uint16_t* d = bits(dst);
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;

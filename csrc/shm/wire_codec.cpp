@@ -41,7 +41,7 @@ constexpr uint32_t kInfBits = 0x7f800000u;
 // integer, ties to even (the current rounding mode), in two vectorisable operations.
 constexpr float kRound = 12582912.0f;
 
-void encode_int8(const float* src, int64_t n, uint8_t* dst, float* residual) {
+PYCOMM_SHM_CLONES void encode_int8(const float* src, int64_t n, uint8_t* dst, float* residual) {
   const int64_t blocks = int8_blocks(n);
   float* scales = reinterpret_cast<float*>(dst);  // wire_bytes keeps dst 4-byte aligned
   int8_t* q = reinterpret_cast<int8_t*>(dst + 4 * blocks);
@@ -87,7 +87,7 @@ void encode_int8(const float* src, int64_t n, uint8_t* dst, float* residual) {
   }
 }
 
-void decode_int8(const uint8_t* src, int64_t n, float* out, bool add) {
+PYCOMM_SHM_CLONES void decode_int8(const uint8_t* src, int64_t n, float* out, bool add) {
   const int64_t blocks = int8_blocks(n);
   const float* scales = reinterpret_cast<const float*>(src);
   const int8_t* q = reinterpret_cast<const int8_t*>(src + 4 * blocks);
@@ -105,6 +105,16 @@ void decode_int8(const uint8_t* src, int64_t n, float* out, bool add) {
     } else {
       for (int64_t i = 0; i < len; ++i) o[i] = static_cast<float>(in[i]) * scale;
     }
+  }
+}
+
+PYCOMM_SHM_CLONES void add_bf16(const c10::BFloat16* src, int64_t n, float* out) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
+    float v;
+    std::memcpy(&v, &u, sizeof(v));
+    out[i] += v;
   }
 }
 
@@ -146,14 +156,8 @@ void wire_decode(comm::WireDtype dtype, const uint8_t* src, int64_t n, float* ou
       return;
     }
     case comm::WireDtype::kBFloat16: {
-      const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-      for (int64_t i = 0; i < n; ++i) {
-        const uint32_t u = static_cast<uint32_t>(s[i]) << 16;
-        float v;
-        std::memcpy(&v, &u, sizeof(v));
-        out[i] = add ? out[i] + v : v;
-      }
-      return;
+      const auto* s = reinterpret_cast<const c10::BFloat16*>(src);
+      return add ? add_bf16(s, n, out) : to_float(s, out, n);
     }
     case comm::WireDtype::kInt8: decode_int8(src, n, out, add); return;
   }
