@@ -58,11 +58,12 @@ def _depart(store: dist.Store, world_size: int) -> None:  # every rank but 0
 def leave_group(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> None:
     """Destroy the default process group once every rank has finished its collectives.
 
-    Gloo closes a group's connections hard (SO_LINGER 0, a reset), which can discard what
-    a rank has just written and a peer has not read yet: a rank that destroys its group
-    while a peer still waits on the last collective can leave that peer waiting out its
-    timeout on a recv (a 3-rank test's 60 s Gloo timeout, about 1 run in 10 of the whole
-    suite on a loaded machine). So the ranks meet in the store first, which carries no
+    Destroying a group closes its Gloo connections, and a connection closed while its peer
+    still works on the group's last collective can take what that peer was owed with it
+    (a reset discards bytes not yet read). A 3-rank test waited out its 60 s Gloo timeout
+    on such a recv in about 1 run of the whole suite in 10 on a loaded machine, never in
+    300 runs of the test alone: the cause is inferred, and this removes the one ordering
+    the launchers left to chance. The ranks meet in the store first, which carries no
     collective, and rank 0 leaves last: its store may be the server the others meet in. A
     rank that exits on purpose without its group calls `abandon_group` instead."""
     timeout = datetime.timedelta(seconds=timeout_s)
