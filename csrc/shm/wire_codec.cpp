@@ -46,7 +46,8 @@ PYCOMM_SHM_CLONES void encode_int8(const float* src, int64_t n, uint8_t* dst, fl
   float* scales = reinterpret_cast<float*>(dst);  // wire_bytes keeps dst 4-byte aligned
   int8_t* q = reinterpret_cast<int8_t*>(dst + 4 * blocks);
   for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t begin = b * kInt8Block, len = std::min(kInt8Block, n - begin);
+    // b < blocks, so 1 <= len <= kInt8Block (stated for the compiler's bounds check)
+    const int64_t begin = b * kInt8Block, len = std::clamp<int64_t>(n - begin, 1, kInt8Block);
     const float* x = src + begin;
     float* r = residual ? residual + begin : nullptr;
     int8_t* out = q + begin;
