@@ -6,8 +6,11 @@ with a timeout on the group, and calls `fn(rank, world_size, **kwargs)`. The fir
 that fails is reported with its traceback; a rank that exits hard fails the run at once;
 a run that outlives `deadline_s` is killed and reported with the ranks still alive. The
 process group is not destroyed in a `finally`: a healthy rank's "connection closed" would
-then hide the real error of the rank that failed. `set_launcher_env` gives a rank the
-variables torchrun would, for libraries that read them (tests/integrations/test_lightning.py, ...).
+then hide the real error of the rank that failed; a rank that returns leaves the group
+once every rank has (`pycomm.bench.common.leave_group`), and a test's rank that dies on
+purpose calls `exit_rank()` so the others do not wait for it. `set_launcher_env` gives a
+rank the variables torchrun would, for libraries that read them
+(tests/integrations/test_lightning.py, ...).
 """
 
 from __future__ import annotations
