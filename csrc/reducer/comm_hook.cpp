@@ -71,6 +71,12 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
   } else {
     reduced = finish(comm::start_allreduce(pg_, bucket.buffer, c10d::ReduceOp::SUM));
   }
+  return with_step_label(reduced);
+}
+
+// `reduced`, completing only with the step's label exchange when begin_step started one for
+// this bucket (the step's first).
+FuturePtr AllreduceSumHook::with_step_label(const FuturePtr& reduced) {
   FuturePtr step_label = std::exchange(step_label_, FuturePtr());
   if (!step_label) return reduced;
   c10::List<FuturePtr> both(c10::FutureType::create(c10::AnyType::get()));

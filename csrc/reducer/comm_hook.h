@@ -80,6 +80,7 @@ class AllreduceSumHook final : public CommHook {
 
  private:
   FuturePtr finish(const comm::WorkPtr& work);
+  FuturePtr with_step_label(const FuturePtr& reduced);
 
   comm::ProcessGroupPtr pg_;
   bool alone_;  // a group of one rank

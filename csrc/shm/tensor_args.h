@@ -55,6 +55,30 @@ inline bool any_overlap(const std::vector<at::Tensor>& tensors) {
   return false;
 }
 
+// The dtype of `tensors` after checking them as pieces of one buffer (See Note [Pieces
+// all-reduce]): defined, dense, of one dtype (float32 or float64), not sharing memory.
+inline c10::ScalarType check_pieces(const char* op, const std::vector<at::Tensor>& tensors) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "pycomm ", op, ": no tensors");
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    TORCH_CHECK_VALUE(tensors[i].defined(), "pycomm ", op, ": tensor ", i, " is undefined");
+  }
+  const c10::ScalarType dtype = tensors.front().scalar_type();
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kDouble, "pycomm ", op,
+                    ": float32 or float64 tensors, got ", dtype);
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = tensors[i];
+    check_dense(op, t);
+    TORCH_CHECK_VALUE(t.scalar_type() == dtype, "pycomm ", op, ": tensor ", i, " is ",
+                      t.scalar_type(), ", tensor 0 is ", dtype);
+    TORCH_CHECK_VALUE(t.is_non_overlapping_and_dense(), "pycomm ", op, ": tensor ", i,
+                      " is not dense (strides ", t.strides(), " for sizes ", t.sizes(), ")");
+    TORCH_CHECK_VALUE(!t.is_neg() && !t.is_conj(), "pycomm ", op, ": tensor ", i,
+                      " is a lazily negated or conjugated view; resolve it first");
+  }
+  TORCH_CHECK_VALUE(!any_overlap(tensors), "pycomm ", op, ": two of the tensors share memory");
+  return dtype;
+}
+
 // A contiguous stand-in for a user tensor, copied back by write_back() when it differs.
 struct Dense {
   at::Tensor user, work;
