@@ -160,7 +160,8 @@ class DDPConfig:
     copies] in csrc/reducer/stream_copy.cpp). False copies with ATen, which can pay on a
     CPU whose cache holds a whole bucket until its collective reads it."""
     in_place_reduction: bool = dataclasses.field(default=True, metadata=PER_RANK)
-    """Over pycomm's shared-memory group, all-reduce each bucket's gradients where they are
+    """Over pycomm's shared-memory group, and its hierarchical group across hosts on any
+    wire, all-reduce each bucket's gradients where they are
     (read from param.grad, scaled by 1/world as they are read, the sums written back)
     instead of copying them into the bucket and the result back out: two passes over the
     gradients' memory fewer per step, the same bits in param.grad (See Note [Gradients

@@ -75,6 +75,12 @@ class WireCollectives {
                                  std::shared_ptr<WireResidual> residual) = 0;
   virtual WorkPtr reduce_scatter_wire(at::Tensor output, at::Tensor input, const Wire& wire,
                                       std::shared_ptr<WireResidual> residual) = 0;
+  // The sum all-reduce of `tensors` as pieces of one buffer, each element scaled by `scale`
+  // as it is read, written back into them: what allreduce_wire does to the buffer
+  // pre-scaled, with the same bits, without the buffer.
+  virtual WorkPtr allreduce_pieces_wire(std::vector<at::Tensor> tensors, double scale,
+                                        const Wire& wire,
+                                        std::shared_ptr<WireResidual> residual) = 0;
 };
 
 // `backend` as a WireCollectives, or null when it does not offer one.

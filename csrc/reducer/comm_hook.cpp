@@ -25,8 +25,8 @@ AllreduceSumHook::AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline, co
       alone_(pg_->getSize() == 1),
       run_inline_(run_inline),
       backend_(comm::cpu_backend(pg_)),
-      bucket_ops_(comm::bucket_allreduce(backend_)) {
-  if (!wire.exact()) wire_ops_ = comm::wire_collectives(backend_);
+      bucket_ops_(comm::bucket_allreduce(backend_)),
+      wire_ops_(comm::wire_collectives(backend_)) {
   if (wire_ops_ != nullptr) wire_ = wire;
 }
 
@@ -59,7 +59,7 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
     return finish(bucket_ops_->allreduce_sum(bucket.buffer, label));
   }
   FuturePtr reduced;
-  if (wire_ops_ != nullptr && bucket.buffer.device().is_cpu()) {
+  if (wire_ops_ != nullptr && !wire_.exact() && bucket.buffer.device().is_cpu()) {
     const auto dtype = bucket.buffer.scalar_type();
     TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
                       "bucket ", bucket.index, ": DDPConfig(wire='", wire_.name(),
@@ -117,9 +117,18 @@ FuturePtr AllreduceSumHook::run_in_place(Bucket& bucket, size_t /*bucket_count*/
     done->markCompleted(c10::IValue(bucket.buffer));
     return done;
   }
-  TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
-              ": in-place reduction needs a pycomm shared-memory group");
-  return finish(bucket_ops_->allreduce_pieces(std::move(grads), scale, label));
+  if (bucket_ops_ != nullptr) {
+    return finish(bucket_ops_->allreduce_pieces(std::move(grads), scale, label));
+  }
+  // Across hosts (Note [Hierarchical all-reduce of pieces] in shm/hier_allreduce.cpp): the
+  // step label goes over the group, as the bucket's own all-reduce would take it.
+  TORCH_CHECK(wire_ops_ != nullptr, "bucket ", bucket.index,
+              ": in-place reduction needs a pycomm shared-memory or hierarchical group");
+  if (!wire_.exact() && !bucket.wire_residual) {
+    bucket.wire_residual = std::make_shared<comm::WireResidual>();
+  }
+  return with_step_label(finish(wire_ops_->allreduce_pieces_wire(std::move(grads), scale, wire_,
+                                                                 bucket.wire_residual)));
 }
 
 FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {

@@ -63,13 +63,20 @@ class AllreduceSumHook final : public CommHook {
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return true; }
-  // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory),
-  // and on a group of one rank, whose sum is the gradients themselves (See Note [One rank
-  // reduces nothing] in comm_hook.cpp).
-  bool reduces_in_place() const override { return alone_ || bucket_ops_ != nullptr; }
-  // Alone, on any device and floating dtype: there is nothing to move.
+  // On a group whose CPU backend offers an all-reduce of pieces (pycomm's shared memory and
+  // its hierarchy across hosts), and on a group of one rank, whose sum is the gradients
+  // themselves (See Note [One rank reduces nothing] in comm_hook.cpp).
+  bool reduces_in_place() const override {
+    return alone_ || bucket_ops_ != nullptr || wire_ops_ != nullptr;
+  }
+  // Alone, on any device and floating dtype: there is nothing to move. Across hosts on a
+  // low-precision wire, float32 buckets (the wire encodes from float32).
   bool reduces_in_place_on(const at::Tensor& buffer) const override {
-    return alone_ || CommHook::reduces_in_place_on(buffer);
+    if (alone_) return true;
+    if (bucket_ops_ == nullptr && !wire_.exact() && buffer.scalar_type() != at::kFloat) {
+      return false;
+    }
+    return CommHook::reduces_in_place_on(buffer);
   }
   FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                          std::vector<at::Tensor> grads, double scale,
@@ -88,7 +95,7 @@ class AllreduceSumHook final : public CommHook {
   bool inline_failed_ = false;
   c10::intrusive_ptr<c10d::Backend> backend_;  // keeps bucket_ops_ alive
   comm::BucketAllreduce* bucket_ops_ = nullptr;    // what backend_ offers, if it does
-  comm::WireCollectives* wire_ops_ = nullptr;     // with a low-precision wire, likewise
+  comm::WireCollectives* wire_ops_ = nullptr;     // likewise, across hosts
   comm::Wire wire_;
   FuturePtr step_label_;  // begin_step's exchange, until the next run takes it
 };

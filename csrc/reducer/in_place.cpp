@@ -14,7 +14,10 @@ namespace pycomm::reducer {
 // all-reduce] in shm/allreduce.cpp) reads each rank's gradients straight from param.grad,
 // multiplying by 1/world as it reads, and writes the sums straight back, with the same
 // arithmetic in the same order, so param.grad ends with the bits the bucket would have
-// given it. The hooks then only count, and finalize has nothing to copy.
+// given it. The hooks then only count, and finalize has nothing to copy. Across hosts, over
+// pycomm's hierarchical group, each block of the bucket is reduce-scattered within the host
+// straight from the gradients the same way, on any wire (Note [Hierarchical all-reduce of
+// pieces] in shm/hier_allreduce.cpp).
 //
 // It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place)
 // and on any group of one rank (Note [One rank reduces nothing] in comm_hook.cpp),
@@ -27,7 +30,8 @@ namespace pycomm::reducer {
 // slot is zeros that param.grad does not have), grad_reduce_dtype (the wide copy is the bucket),
 // nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient
 // must be a defined, dense tensor on the bucket's device, of its dtype (float32 or float64
-// on CPU for the shared-memory pieces; any device and floating dtype alone) without
+// on CPU for the shared-memory pieces, float32 alone across hosts on a low-precision wire;
+// any device and floating dtype alone) without
 // autograd history (create_graph), laid out in memory as its bucket slot is (the same
 // strides): then its bytes are in the order of the slot's, which is what lets ranks whose
 // bucket went through the buffer and ranks whose did not add the same elements together.

@@ -122,6 +122,13 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   c10::intrusive_ptr<c10d::Work> all_gather_tensor_as(const char* op, at::Tensor& output,
                                                       at::Tensor& input,
                                                       const c10d::AllgatherOptions& opts);
+  // reduce_scatter_tensor_as of an input held in `pieces` (world x output.numel() elements
+  // of `dtype`, float32 or float64, in order) pre-scaled by `scale`: the same collective,
+  // so ranks may mix the two (Note [Pieces reduce-scatter] in collectives.cpp). The
+  // pieces' memory must outlive the Work.
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_pieces_as(const char* op, Pieces pieces,
+                                                          c10::ScalarType dtype, double scale,
+                                                          at::Tensor& output);
   // This rank's last operations on the group (See Note [Flight recorder] in flight.cpp).
   std::vector<FlightEntry> flight_record() const { return flight_.entries(); }
   // Write them as JSON to `path`.

@@ -72,4 +72,22 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_pieces(std::vector<at:
                  std::move(body), collectives_, false, label);
 }
 
+c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_pieces_as(
+    const char* op, Pieces pieces, c10::ScalarType dtype, double scale, at::Tensor& output) {
+  check_dense(op, output);
+  TORCH_CHECK_VALUE(output.scalar_type() == dtype && output.is_contiguous(), "pycomm ", op,
+                    ": the output must be a contiguous ", dtype, " tensor, got ",
+                    output.scalar_type(), output.is_contiguous() ? "" : ", not contiguous");
+  const int64_t n = output.numel();
+  TORCH_CHECK_VALUE(static_cast<int64_t>(pieces.bytes()) ==
+                        n * size_ * static_cast<int64_t>(c10::elementSize(dtype)),
+                    "pycomm ", op, ": the pieces hold ", pieces.bytes(), " bytes, not ", size_,
+                    " ranges of ", n, " ", dtype, " elements");
+  auto body = [this, pieces = std::move(pieces), dtype, scale, output, n](const OpContext& c) {
+    channel_->reduce_scatter_pieces(pieces, dtype, scale, static_cast<char*>(output.data_ptr()), n,
+                                    c);
+  };
+  return enqueue(op, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, std::move(body), collectives_);
+}
+
 }  // namespace pycomm::shm

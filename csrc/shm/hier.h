@@ -103,6 +103,13 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
   // wire_codec.h): float32, bfloat16 and float16 tensors.
   comm::WorkPtr allreduce_wire(at::Tensor tensor, const comm::Wire& wire,
                                std::shared_ptr<comm::WireResidual> residual) override;
+  // The all-reduce of pieces of one buffer (a DDP bucket's gradients in slot order) scaled
+  // by `scale`, the sums written back into them, its cross-host leg in `wire` (Note
+  // [Hierarchical all-reduce of pieces] in hier_allreduce.cpp): float32 and float64 pieces
+  // on the float32 wire, float32 on the others.
+  comm::WorkPtr allreduce_pieces_wire(std::vector<at::Tensor> tensors, double scale,
+                                      const comm::Wire& wire,
+                                      std::shared_ptr<comm::WireResidual> residual) override;
   // A sum reduce_scatter_tensor whose cross-host all-to-all carries `wire`: each host's
   // sums of the rank's range cross once, encoded, and the rank adds the H of them in
   // float32 (Note [Low-precision wire]); float32, bfloat16 and float16 tensors.

@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,13 +14,14 @@
 
 #include "shm/hier.h"
 #include "shm/hier_phase.h"
+#include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
 #include "shm/wire_codec.h"
 
 namespace pycomm::shm {
 
 namespace {
-// One hierarchical all-reduce of `flat` (See Note [Hierarchical pipeline]): blocks of L
+// One hierarchical all-reduce (See Note [Hierarchical pipeline]): blocks of L
 // pieces, each reduce-scattered within the host, its piece all-reduced across hosts on
 // Gloo's threads while the next block is reduce-scattered, then all-gathered within the
 // host. Every rank takes the same steps in the same order (they depend on n and L only),
@@ -32,18 +34,24 @@ class BlockPipeline {
     int rank, host, hosts;
   };
 
-  // With a low-precision `wire` (a float32 tensor and a sum), each block's piece crosses
-  // hosts as Note [Low-precision wire] says, its error-feedback residuals in `residual`.
+  // The all-reduce of a tensor, whose elements come in `flat`, or of pieces of one buffer
+  // (Note [Hierarchical all-reduce of pieces]), in `pieces` scaled by `scale` as they are
+  // read, `flat` then only a tensor of their dtype and count for its options. With a
+  // low-precision `wire` (float32 and a sum), each block's piece crosses hosts as Note
+  // [Low-precision wire] says, its error-feedback residuals in `residual`.
   BlockPipeline(Where where, at::Tensor flat, ShmBackend& local, c10d::Backend& cross,
                 c10d::ReduceOp op, int64_t piece_bytes, comm::Wire wire = {},
-                comm::WireResidual* residual = nullptr)
+                comm::WireResidual* residual = nullptr, const Pieces* pieces = nullptr,
+                double scale = 1.0)
       : where_(where),
         flat_(std::move(flat)),
+        pieces_(pieces),
+        scale_(scale),
         local_(local),
         cross_(cross),
         op_(op),
         wire_(wire),
-        n_(flat_.numel()),
+        n_(pieces_ ? static_cast<int64_t>(pieces_->bytes()) / flat_.element_size() : flat_.numel()),
         L_(local.getSize()),
         H_(cross.getSize()),
         // The last block may be shorter, and is padded to a multiple of L in a buffer of
@@ -104,21 +112,53 @@ class BlockPipeline {
                where_.host, where_.hosts, local_, what, w);
   }
 
+  // Elements [begin, begin + len) of the pieces, as pieces.
+  Pieces slice(int64_t begin, int64_t len) const {
+    Pieces part;
+    const auto elem = static_cast<size_t>(flat_.element_size());
+    pieces_->each(begin * elem, len * elem,
+                  [&](char* data, size_t /*offset*/, size_t bytes) { part.add(data, bytes); });
+    return part;
+  }
+
   void reduce_within(int64_t b) {
     Block& k = state_[b];
     const int64_t begin = b * block_max_, len = std::min(block_max_, n_ - begin);
     const int64_t piece = (len + L_ - 1) / L_;
-    k.user = flat_.narrow(0, begin, len);
-    k.whole = k.user;
-    if (piece * L_ != len) {
-      k.whole = at::zeros({piece * L_}, flat_.options());
-      k.whole.narrow(0, 0, len).copy_(k.user);
-    }
+    const char* name = local_phase_names(wire_).first;
     k.mine = at::empty({piece}, flat_.options());
+    if (pieces_ != nullptr && piece * L_ == len) {
+      wait("the reduce-scatter within the host", b,
+           local_.reduce_scatter_pieces_as(name, slice(begin, len), flat_.scalar_type(), scale_,
+                                           k.mine));
+      return cross_block(b);
+    }
+    if (pieces_ != nullptr) {  // a padded last block: the pieces scaled into a buffer
+      k.whole = at::zeros({piece * L_}, flat_.options());
+      char* to = static_cast<char*>(k.whole.data_ptr());
+      slice(begin, len)
+          .each(0, len * flat_.element_size(), [&](char* from, size_t at, size_t bytes) {
+            scale_copy(flat_.scalar_type(), to + at, from,
+                       static_cast<int64_t>(bytes) / flat_.element_size(), scale_);
+          });
+    } else {
+      k.user = flat_.narrow(0, begin, len);
+      k.whole = k.user;
+      if (piece * L_ != len) {
+        k.whole = at::zeros({piece * L_}, flat_.options());
+        k.whole.narrow(0, 0, len).copy_(k.user);
+      }
+    }
     c10d::ReduceScatterOptions rs;
     rs.reduceOp = op_;
     wait("the reduce-scatter within the host", b,
-         local_.reduce_scatter_tensor_as(local_phase_names(wire_).first, k.mine, k.whole, rs));
+         local_.reduce_scatter_tensor_as(name, k.mine, k.whole, rs));
+    cross_block(b);
+  }
+
+  // Block b's piece, reduced within the host, on its way across hosts.
+  void cross_block(int64_t b) {
+    Block& k = state_[b];
     if (!wire_.exact()) return send_across(b);
     std::vector<at::Tensor> across{k.mine};
     c10d::AllreduceOptions ar;
@@ -182,14 +222,28 @@ class BlockPipeline {
       }
     }
     c10d::AllgatherOptions ag;
+    // Pieces are gathered through a buffer of the block: the all-gather writes ranks'
+    // pieces whole, the block's elements may span several tensors.
+    if (pieces_ != nullptr && !k.whole.defined())
+      k.whole = at::empty({k.mine.numel() * L_}, k.mine.options());
     wait("the all-gather within the host", b,
          local_.all_gather_tensor_as(local_phase_names(wire_).second, k.whole, k.mine, ag));
-    if (!k.whole.is_same(k.user)) k.user.copy_(k.whole.narrow(0, 0, k.user.numel()));
+    if (pieces_ != nullptr) {
+      const int64_t begin = b * block_max_, len = std::min(block_max_, n_ - begin);
+      const char* from = static_cast<const char*>(k.whole.const_data_ptr());
+      slice(begin, len).each(0, len * flat_.element_size(), [&](char* to, size_t at, size_t bytes) {
+        std::memcpy(to, from + at, bytes);
+      });
+    } else if (!k.whole.is_same(k.user)) {
+      k.user.copy_(k.whole.narrow(0, 0, k.user.numel()));
+    }
     k = Block{};  // the block's buffers go as soon as it is done
   }
 
   const Where where_;
   const at::Tensor flat_;
+  const Pieces* const pieces_;  // what an all-reduce of pieces reduces, else null
+  const double scale_;
   ShmBackend& local_;
   c10d::Backend& cross_;
   const c10d::ReduceOp op_;
@@ -210,6 +264,44 @@ comm::WorkPtr HierBackend::allreduce_wire(at::Tensor tensor, const comm::Wire& w
   return enqueue(op, c10d::OpType::ALLREDUCE, {tensor},
                  [this, op, tensor, wire, residual, piece = piece_bytes_](uint64_t seq) {
                    run(op, seq, piece, tensor, c10d::ReduceOp::SUM, wire, residual.get());
+                 });
+}
+
+// Note [Hierarchical all-reduce of pieces]
+// A DDP bucket reduced where its gradients are (Note [Gradients reduced in place] in
+// reducer/in_place.cpp) over the hierarchy: each block's reduce-scatter within the host reads
+// the block's elements from the gradients, scaled as they are read (reduce_scatter_pieces_as,
+// the same collective as the buffer's), and its all-gather within the host lands in a buffer
+// of the block, copied out into the gradients from cache. Against the bucket's path this
+// saves the gradients' copy into the bucket and the bucket's copy back into param.grad, two
+// passes over every gradient byte in memory per step. The blocks, their order and every
+// crossing are the buffer's, so a rank whose bucket goes through its buffer and one whose
+// goes in place add the same elements in the same order: the same bits.
+comm::WorkPtr HierBackend::allreduce_pieces_wire(std::vector<at::Tensor> tensors, double scale,
+                                                 const comm::Wire& wire,
+                                                 std::shared_ptr<comm::WireResidual> residual) {
+  const char* op = wire_op_name(wire);
+  const c10::ScalarType dtype = check_pieces(op, tensors);
+  if (!wire.exact()) {
+    TORCH_CHECK_VALUE(dtype == at::kFloat, "pycomm ", op,
+                      ": the low-precision wire reduces float32 pieces, got ", dtype);
+    check_wire(op, tensors.front(), wire, residual != nullptr);
+  }
+  return enqueue(op, c10d::OpType::ALLREDUCE, tensors,
+                 [this, op, tensors, scale, wire, residual, piece = piece_bytes_](uint64_t seq) {
+                   Pieces pieces;
+                   for (const auto& t : tensors) {
+                     pieces.add(static_cast<char*>(t.data_ptr()), t.nbytes());
+                   }
+                   if (pieces.bytes() == 0) return;
+                   std::unique_lock<std::mutex> lock;
+                   if (residual) lock = std::unique_lock<std::mutex>(residual->mutex);
+                   // a tensor of the pieces' dtype for the pipeline's buffers
+                   at::Tensor like = at::empty({0}, tensors.front().options());
+                   BlockPipeline({op, seq, rank_, host_, hosts_}, like, *local_, *cross_,
+                                 c10d::ReduceOp(c10d::ReduceOp::SUM), piece, wire, residual.get(),
+                                 &pieces, scale)
+                       .run();
                  });
 }
 
