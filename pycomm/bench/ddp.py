@@ -99,6 +99,12 @@ IMPLS = {
     "pycomm_wire_int8": lambda m, **kw: PycommDDP(m, config=DDPConfig(wire="int8", **kw)),
     "pycomm_wire_int8_ef": lambda m, **kw: PycommDDP(
         m, config=DDPConfig(wire="int8", wire_error_feedback=True, **kw)),
+    # The wires through the bucket's buffer (as before the hierarchy reduced in place):
+    # only with --impls, for comparison.
+    "pycomm_wire_bf16_bucketed": lambda m, **kw: PycommDDP(
+        m, config=DDPConfig(wire="bf16", in_place_reduction=False, **kw)),
+    "pycomm_wire_int8_bucketed": lambda m, **kw: PycommDDP(
+        m, config=DDPConfig(wire="int8", in_place_reduction=False, **kw)),
     "torch_bf16_hook": _bf16_hooked,
     # Sharded data parallelism (sharded.py): pycomm's ZeroRedundancyOptimizer on its DDP
     # (gradients kept, or released), torch's on torch's DDP, FSDP2. The default set with
