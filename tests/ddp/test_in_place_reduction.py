@@ -57,17 +57,24 @@ def _assert_equal(a, b, what):
             assert torch.equal(g, h), f"{what}: step {step}, parameter {i}"
 
 
+def _same_as_through_the_bucket(on, off, model, rank, what):
+    """`on` and `off` trained alike: param.grad bitwise equal every step, every bucket of
+    `on` in place and none of `off`'s. Returns `on`'s gradients."""
+    got, ways_on = _train(on, model, rank)
+    want, ways_off = _train(off, model, rank)
+    _assert_equal(got, want, what)
+    assert all(all(w) for w, _ in ways_on), f"{what}: {ways_on}"
+    assert not any(any(w) for w, _ in ways_off), f"{what}: {ways_off}"
+    return got
+
+
 def _same_bits(rank, world):
     for model in ("wide", "mlp", "attn", "convbn", "tied"):
         for cap in (TINY, None, ONE):
             kwargs = {} if cap is None else {"bucket_cap_mb": cap}
             base, on, off = _pair(model, **kwargs)
-            got, ways_on = _train(on, model, rank)
-            want, ways_off = _train(off, model, rank)
             what = f"{model} cap={cap} world={world}"
-            _assert_equal(got, want, what)
-            assert all(all(w) for w, _ in ways_on), f"{what}: {ways_on}"
-            assert not any(any(w) for w, _ in ways_off), f"{what}: {ways_off}"
+            got = _same_as_through_the_bucket(on, off, model, rank, what)
             if world == 2:  # a*(1/2) + b*(1/2): exact in any order, so torch's bits too
                 ref, _ = _train(TorchDDP(copy.deepcopy(base), **kwargs), model, rank)
                 _assert_equal(got, ref, f"{what} against torch")
@@ -179,15 +186,19 @@ def _transposed_weight(model):
     return model
 
 
-def _mixed_paths(rank, world):
-    """One rank keeps a transposed weight's gradient in a contiguous tensor (its bucket goes
-    through the buffer), the other lets autograd lay it out like the weight (in place): the
-    two ranks add the same elements together, in the slot's memory order."""
+def _mixed_paths(rank, world, config=None, prepare=None):
+    """Rank 0 keeps a transposed weight's gradient in a contiguous tensor (its bucket goes
+    through the buffer), the others let autograd lay it out like the weight (in place):
+    every rank adds the same elements together, in the slot's memory order, and gets the
+    all-buffer run's bits. `config`: more DDPConfig options; `prepare(ddp)`: called on the
+    in-place DDP before it trains."""
     base = _transposed_weight(build("mlp"))
-    on = pycomm.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=TINY)
-    off = pycomm.DistributedDataParallel(
-        copy.deepcopy(base), config=pycomm.DDPConfig(in_place_reduction=False,
-                                                     bucket_cap_mb=TINY))
+    on, off = (pycomm.DistributedDataParallel(
+        copy.deepcopy(base), config=pycomm.DDPConfig(bucket_cap_mb=TINY, **(config or {}),
+                                                     **extra))
+        for extra in ({}, {"in_place_reduction": False}))
+    if prepare is not None:
+        prepare(on)
 
     def contiguous_grad(ddp):
         if rank == 0:
@@ -198,7 +209,8 @@ def _mixed_paths(rank, world):
     got, ways = _train(on, "mlp", rank, before_backward=contiguous_grad)
     for _, on_buffer in ways:
         assert on_buffer == ([[index]] if rank == 0 else []), (rank, ways)
-    _assert_equal(got, _train(off, "mlp", rank, before_backward=contiguous_grad)[0], "mixed")
+    _assert_equal(got, _train(off, "mlp", rank, before_backward=contiguous_grad)[0],
+                  f"mixed, {config}")
 
 
 def test_ranks_on_different_paths_add_the_same_elements():

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import pycomm
 import pycomm.shm
-from tests.ddp.test_in_place_reduction import ONE, TINY, _assert_equal, _train, _transposed_weight
+from tests.ddp.test_in_place_reduction import ONE, TINY, _mixed_paths, _same_as_through_the_bucket
 from tests.shm.test_hierarchical_on_one_host import _pretend_hosts
 from tests.support.ddp_models import build
 from tests.support.multirank import run_ranks
@@ -57,12 +57,8 @@ def _same_bits(rank, world, per_host, wire):
             # 64-byte pieces: a bucket of several blocks, its last one padded when the
             # bucket's elements do not divide by the ranks of a host
             _set_piece(on, 64)
-            got, ways_on = _train(on, model, rank)
-            want, ways_off = _train(off, model, rank)
             what = f"{model} cap={cap} wire={wire} hosts={per_host}"
-            _assert_equal(got, want, what)
-            assert all(all(w) for w, _ in ways_on), f"{what}: {ways_on}"
-            assert not any(any(w) for w, _ in ways_off), f"{what}: {ways_off}"
+            got = _same_as_through_the_bucket(on, off, model, rank, what)
             for g in got[-1]:  # every rank ends with the same bits
                 gathered = [torch.empty_like(g) for _ in range(world)]
                 dist.all_gather(gathered, g)
@@ -80,31 +76,15 @@ def test_same_bits_as_through_the_bucket(per_host, wire):
     run_ranks(_same_bits, world_size=sum(per_host), per_host=per_host, wire=wire)
 
 
-def _mixed_paths(rank, world, wire):
-    """Rank 0 keeps a transposed weight's gradient in a contiguous tensor (its bucket goes
-    through the buffer), the others let autograd lay it out like the weight (in place):
-    every rank adds the same elements together, and gets the all-buffer run's bits."""
+def _mixed_paths_across_hosts(rank, world, wire):
+    """test_in_place_reduction.py's ranks on different paths, at 2 hosts x 2 ranks."""
     _pretend_hosts(rank, [2, 2])
-    base = _transposed_weight(build("mlp"))
-    on, off = _pair(base, bucket_cap_mb=TINY, **WIRES[wire])
-    _set_piece(on, 64)
-
-    def contiguous_grad(ddp):
-        if rank == 0:
-            w = ddp.module.net[0].weight
-            w.grad = torch.zeros(w.shape)
-
-    index = [name for name, _ in base.named_parameters()].index("net.0.weight")
-    got, ways = _train(on, "mlp", rank, before_backward=contiguous_grad)
-    for _, on_buffer in ways:
-        assert on_buffer == ([[index]] if rank == 0 else []), (rank, ways)
-    _assert_equal(got, _train(off, "mlp", rank, before_backward=contiguous_grad)[0],
-                  f"mixed, wire={wire}")
+    _mixed_paths(rank, world, config=WIRES[wire], prepare=lambda ddp: _set_piece(ddp, 64))
 
 
 @pytest.mark.parametrize("wire", ["fp32", "bf16"])
 def test_ranks_on_different_paths_add_the_same_elements(wire):
-    run_ranks(_mixed_paths, world_size=4, wire=wire)
+    run_ranks(_mixed_paths_across_hosts, world_size=4, wire=wire)
 
 
 def _what_stays_on_the_buffer(rank, world):
