@@ -87,6 +87,32 @@ def test_ranks_on_different_paths_add_the_same_elements(wire):
     run_ranks(_mixed_paths_across_hosts, world_size=4, wire=wire)
 
 
+class _AsDouble(torch.nn.Module):
+    """`inner` in float64, fed the float32 inputs the tests make."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner.double()
+
+    def forward(self, x):
+        return self.inner(x.double())
+
+
+def _float64(rank, world):
+    """float64 gradients go in place on the float32 wire (the pieces and the Gloo leg take
+    them), with the buffer's bits."""
+    _pretend_hosts(rank, [2, 2])
+    for cap in (TINY, ONE):
+        on, off = _pair(_AsDouble(_odd()), bucket_cap_mb=cap)
+        _set_piece(on, 64)
+        _same_as_through_the_bucket(on, off, "odd", rank, f"float64 cap={cap}")
+        assert all(p.grad.dtype == torch.float64 for p in on.parameters())
+
+
+def test_float64_goes_in_place_on_the_float32_wire():
+    run_ranks(_float64, world_size=4)
+
+
 def _what_stays_on_the_buffer(rank, world):
     """A bfloat16 model's buckets go through their buffers on a low-precision wire (it
     encodes from float32) and on the float32 one (the pieces are float32 or float64);
