@@ -31,12 +31,11 @@ namespace pycomm::reducer {
 // nor with DDPConfig(in_place_reduction=False). Then, per step and bucket, each gradient
 // must be a defined, dense tensor on the bucket's device, of its dtype (float32 or float64
 // on CPU for the shared-memory pieces, float32 alone across hosts on a low-precision wire;
-// any device and floating dtype alone) without
-// autograd history (create_graph), laid out in memory as its bucket slot is (the same
-// strides): then its bytes are in the order of the slot's, which is what lets ranks whose
-// bucket went through the buffer and ranks whose did not add the same elements together.
-// The first hook whose gradient is not so sends its bucket back to the buffer for the
-// step: the gradients left in place so far are copied in then, as their hooks would have
+// any device and floating dtype alone) without autograd history (create_graph), laid out in memory
+// as its bucket slot is (the same strides): then its bytes are in the order of the slot's, which is
+// what lets ranks whose bucket went through the buffer and ranks whose did not add the same
+// elements together. The first hook whose gradient is not so sends its bucket back to the buffer
+// for the step: the gradients left in place so far are copied in then, as their hooks would have
 // (nothing else wrote them meanwhile: autograd writes a parameter's gradient only before
 // its hook). The launch checks them all again (a gradient replaced after its hook).
 //

@@ -112,6 +112,12 @@ class BlockPipeline {
                where_.host, where_.hosts, local_, what, w);
   }
 
+  // Block b's elements of the tensor: [begin, begin + len).
+  std::pair<int64_t, int64_t> range(int64_t b) const {
+    const int64_t begin = b * block_max_;
+    return {begin, std::min(block_max_, n_ - begin)};
+  }
+
   // Elements [begin, begin + len) of the pieces, as pieces.
   Pieces slice(int64_t begin, int64_t len) const {
     Pieces part;
@@ -123,7 +129,7 @@ class BlockPipeline {
 
   void reduce_within(int64_t b) {
     Block& k = state_[b];
-    const int64_t begin = b * block_max_, len = std::min(block_max_, n_ - begin);
+    const auto [begin, len] = range(b);
     const int64_t piece = (len + L_ - 1) / L_;
     const char* name = local_phase_names(wire_).first;
     k.mine = at::empty({piece}, flat_.options());
@@ -229,7 +235,7 @@ class BlockPipeline {
     wait("the all-gather within the host", b,
          local_.all_gather_tensor_as(local_phase_names(wire_).second, k.whole, k.mine, ag));
     if (pieces_ != nullptr) {
-      const int64_t begin = b * block_max_, len = std::min(block_max_, n_ - begin);
+      const auto [begin, len] = range(b);
       const char* from = static_cast<const char*>(k.whole.const_data_ptr());
       slice(begin, len).each(0, len * flat_.element_size(), [&](char* to, size_t at, size_t bytes) {
         std::memcpy(to, from + at, bytes);
