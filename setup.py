@@ -6,6 +6,7 @@ requirement: install with `pip install --no-build-isolation -e .` after torch.
 
 import glob
 import os
+import sys
 
 try:
     import torch
@@ -30,7 +31,44 @@ def _use_cuda() -> bool:
             "PYCOMM_CUDA=1 but torch has no CUDA build "
             f"(torch.version.cuda={torch.version.cuda}) or CUDA_HOME is unset ({CUDA_HOME})"
         )
-    return available if choice == "auto" else choice == "1"
+    if choice == "0" or not available:
+        return False
+    if _arch_list_known():
+        return True
+    # See Note [Architectures without a GPU]
+    archs = _torch_archs()
+    if choice == "auto":
+        print(f"pycomm: no GPU is visible and TORCH_CUDA_ARCH_LIST is unset, so this builds the "
+              f"CPU extension; PYCOMM_CUDA=1 builds the CUDA one for this torch's "
+              f"architectures ({archs}), TORCH_CUDA_ARCH_LIST for others",
+              file=sys.stderr, flush=True)
+        return False
+    os.environ["TORCH_CUDA_ARCH_LIST"] = archs
+    print(f"pycomm: no GPU is visible: building the CUDA extension for this torch's "
+          f"architectures, TORCH_CUDA_ARCH_LIST={archs}", file=sys.stderr, flush=True)
+    return True
+
+
+# Note [Architectures without a GPU]
+# torch.utils.cpp_extension picks the CUDA architectures from TORCH_CUDA_ARCH_LIST, else
+# from the visible GPUs; with neither (a container build, a CI runner, a login node) it
+# fails with an IndexError of its own. Then PYCOMM_CUDA=auto builds the CPU extension and
+# says how to get the other; PYCOMM_CUDA=1 compiles for the architectures this torch build
+# was compiled for (torch.cuda.get_arch_list(), which needs no GPU), so the extension runs
+# wherever this torch does.
+def _arch_list_known() -> bool:
+    return bool(os.environ.get("TORCH_CUDA_ARCH_LIST", "").strip()) or (
+        torch.cuda.is_available() and torch.cuda.device_count() > 0)
+
+
+def _torch_archs() -> str:
+    """This torch build's GPU architectures in TORCH_CUDA_ARCH_LIST's form ("8.0 9.0")."""
+    archs = [a.split("_", 1)[1] for a in torch.cuda.get_arch_list() if a.startswith("sm_")]
+    if not archs:
+        raise SystemExit("PYCOMM_CUDA=1, no GPU is visible and this torch names no GPU "
+                         "architecture (torch.cuda.get_arch_list()): set "
+                         "TORCH_CUDA_ARCH_LIST, e.g. TORCH_CUDA_ARCH_LIST=9.0")
+    return " ".join(f"{a[:-1]}.{a[-1]}" for a in archs)
 
 
 def _extension():
@@ -56,4 +94,5 @@ def _extension():
                 define_macros=macros, extra_compile_args=args, extra_link_args=["-fopenmp"])
 
 
-setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})
+if __name__ == "__main__":  # pip and setuptools run this file as a script
+    setup(ext_modules=[_extension()], cmdclass={"build_ext": BuildExtension})

@@ -76,6 +76,11 @@ def placement(module: nn.Module, named_params: NamedParams, device_ids, output_d
                          f"only work with single-device modules, but parameters are on "
                          f"{sorted(map(str, devices))}; pass device_ids=None")
     device = next(iter(devices))
+    if device.type == "cuda" and not _C.cuda:
+        raise RuntimeError(f"pycomm's extension was built without its CUDA kernels (no GPU "
+                           f"was visible when it was built), and these parameters are on "
+                           f"{device}: rebuild it with PYCOMM_CUDA=1 (or TORCH_CUDA_ARCH_LIST "
+                           f"set), e.g. PYCOMM_CUDA=1 pip install --no-build-isolation -e .")
     if device.type == "cpu" and device_ids is not None:
         raise ValueError(f"device_ids must be None for a CPU module, got {device_ids}")
     for name, sub in module.named_modules():
