@@ -118,6 +118,19 @@ class TorchDDPAttributes:
         self.config = self.config.replace(broadcast_buffers=bool(value))
 
     @property
+    def forward_sync_buffers(self) -> bool:
+        """torch's name (2.13 on) for what broadcast_buffers names: the same option."""
+        return self.config.broadcast_buffers
+
+    @forward_sync_buffers.setter
+    def forward_sync_buffers(self, value: bool) -> None:
+        self.config = self.config.replace(broadcast_buffers=bool(value))
+
+    @property
+    def batched_grad_copy(self) -> bool:
+        return self.config.batched_grad_copy
+
+    @property
     def bucket_bytes_cap(self) -> int:
         """The largest bucket cap in bytes (torch: bucket_cap_mb in bytes)."""
         return max(self.config.bucket_byte_limits())

@@ -164,3 +164,17 @@ def _mesh_slice(rank, world_size):
 
 def test_device_mesh_dp_slice_of_a_2d_mesh_matches_torch():
     run_ranks(_mesh_slice, 2, deadline_s=60)
+
+
+def _buffer_sync_attributes(rank, world_size):
+    for kwargs in (dict(), dict(forward_sync_buffers=False, batched_grad_copy=True)):
+        models = [cls(build("mlp"), **kwargs) for cls in (TorchDDP, DDP)]
+        for name in ("forward_sync_buffers", "broadcast_buffers", "batched_grad_copy"):
+            assert getattr(models[0], name) == getattr(models[1], name), (kwargs, name)
+        for m in models:  # one option under both names, as in torch
+            m.forward_sync_buffers = not m.forward_sync_buffers
+        assert [m.broadcast_buffers for m in models] == [models[0].forward_sync_buffers] * 2
+
+
+def test_buffer_sync_and_batched_copy_attributes_read_as_torchs():
+    run_ranks(_buffer_sync_attributes, world_size=2)
