@@ -57,7 +57,7 @@ def _peak_mb() -> float:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1e3
+                return int(line.split()[1]) * 1024 / 1e6  # kB there means KiB
     return float("nan")
 
 
