@@ -99,6 +99,15 @@ at::Tensor view_for(const at::Tensor& buffer, const at::Tensor& param, int64_t o
 
 }  // namespace
 
+// Note [Bucket memory]
+// A bucket's buffer is allocated, not written: every step writes each slot before the
+// collective reads it (the gradient's copy, or zeros for a parameter without one), so its
+// first contents are never read, and on a CPU pages never written are never resident. A
+// bucket reduced in place (Note [Gradients reduced in place]) never writes its buffer at all:
+// over pycomm's shared-memory group the DDP then holds no copy of the gradients, at
+// construction or after (benchmarks/results/ddp_bucket_memory_cpu.md), where zeros cost a
+// resident copy of every gradient from construction on. A widened bucket (grad_reduce_dtype)
+// is zeroed: its views are the parameters' main_grad, which the user may read first.
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
     const std::vector<std::vector<size_t>>& assignment,
@@ -128,8 +137,9 @@ std::vector<std::unique_ptr<Bucket>> build_buckets(
     }
     // Only low-precision floating buckets are widened (bf16/fp16 grads reduced in fp32).
     const bool widen = grad_reduce_dtype && at::isReducedFloatingType(first.scalar_type());
-    bucket->buffer = at::zeros({total}, first.options().dtype(widen ? *grad_reduce_dtype
-                                                                    : first.scalar_type()));
+    // See Note [Bucket memory]: only a widened bucket (param.main_grad) is read before written.
+    const auto options = first.options().dtype(widen ? *grad_reduce_dtype : first.scalar_type());
+    bucket->buffer = widen ? at::zeros({total}, options) : at::empty({total}, options);
     for (size_t slot = 0; slot < members.size(); ++slot) {
       bucket->views.push_back(view_for(bucket->buffer, params[members[slot]],
                                        static_cast<int64_t>(bucket->offsets[slot])));
