@@ -35,6 +35,7 @@ py::dict timeline_dict(const reducer::StepTimeline& step, const std::vector<std:
   d["buckets"] = std::move(buckets);
   d["finalize_start_ns"] = step.finalize_start_ns;
   d["finalize_end_ns"] = step.finalize_end_ns;
+  d["manual_finalization"] = step.manual_finalization;
   return d;
 }
 
@@ -196,6 +197,12 @@ void bind_reducer(py::module& m) {
             r.add_post_done(python_bucket_callback(std::move(fn)));
           },
           py::arg("fn"), "fn(bucket_index, reduced_buffer) when the bucket's collective is done")
+      .def_property_readonly("manual_finalization", &Reducer::manual_finalization)
+      .def("set_manual_finalization", &Reducer::set_manual_finalization, py::arg("required"),
+           "See Note [Manual backward finalization] in csrc/reducer/finalize.cpp")
+      .def("should_finalize_after_backward", &Reducer::should_finalize_after_backward)
+      .def("finalize_backward_manual", &Reducer::finalize_backward_manual,
+           py::call_guard<py::gil_scoped_release>())
       .def("zeros_like_grad_buckets", &zeros_like_grad_buckets)
       .def("step_label_elements", &Reducer::step_label_elements)
       .def_property_readonly("wire", &Reducer::wire,

@@ -4,6 +4,7 @@
 // message that says what was reduced (see reducer.h).
 #include <torch/csrc/autograd/utils/grad_layout_contract.h>
 
+#include <algorithm>
 #include <sstream>
 
 #include "reducer/reducer.h"
@@ -55,6 +56,80 @@ void Reducer::finalize_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   finalize_queued_ = false;
   if (state_ != State::kBackward) return;  // a backward that reached no parameter
+  finalize_locked(finalize_start);
+}
+
+// Note [Manual backward finalization]
+// torch 2.15's DDP lets the caller end a synchronized step: with
+// require_manual_backward_finalization set, backward queues no finalize; the caller calls
+// finalize_backward() once every gradient is in, after backward returns or from a hook of
+// its own late in backward, and work placed before that call (sparse collectives, an
+// optimizer step over parameters the DDP does not reduce) runs while the buckets'
+// collectives are still in flight. The step's timeline says finalize was the caller's
+// (manual_finalization), and its finalize_start_ns is when the caller called, so the report
+// shows how much communication the caller's work covered. The mode is the reducer's, and it
+// changes only outside a synchronized step: never between a forward that armed one and its
+// finalize. A step waiting for the caller is not abandoned by the next forward: one with
+// grad enabled (synchronized or under no_sync) raises and leaves it for finalize_backward(),
+// one without grad (an evaluation) runs and leaves it too. Only static_graph's first step must
+// be finalized after backward returns: its hook counts are complete only then (Note [Static
+// graph hook counts]); any other step may be finalized as soon as its last gradient is in.
+void Reducer::set_manual_finalization(bool required) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (required == manual_finalization_) return;
+  TORCH_CHECK(state_ != State::kPrepared && state_ != State::kBackward, "pycomm DDP (rank ", rank_,
+              "): require_manual_backward_finalization can only change before a forward or "
+              "after the step's backward was finalized, not between a synchronized forward and "
+              "the end of its backward");
+  manual_finalization_ = required;
+}
+
+bool Reducer::manual_finalization() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return manual_finalization_;
+}
+
+bool Reducer::should_finalize_after_backward() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return manual_finalization_ && usage_.counting_hooks();
+}
+
+bool Reducer::awaits_manual_finalize() const {
+  return manual_finalization_ && state_ == State::kBackward &&
+         (usage_.counting_hooks() ||
+          std::all_of(marked_.begin(), marked_.end(), [](uint8_t m) { return m != 0; }));
+}
+
+void Reducer::finalize_backward_manual() {
+  const int64_t finalize_start = now_ns();
+  std::lock_guard<std::mutex> lock(mutex_);
+  TORCH_CHECK(manual_finalization_, "pycomm DDP (rank ", rank_,
+              "): finalize_backward() was called, but this DDP finalizes each backward itself: "
+              "set require_manual_backward_finalization = True first");
+  TORCH_CHECK(state_ == State::kBackward, "pycomm DDP (rank ", rank_,
+              "): finalize_backward() was called, but no synchronized backward awaits it: the "
+              "last forward ran under no_sync() or without grad, its backward reached no "
+              "parameter or has not run, or finalize_backward() already ended it");
+  if (!awaits_manual_finalize()) {
+    std::ostringstream missing;
+    size_t count = 0;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      if (marked_[i]) continue;
+      if (count++ < 8) missing << (count > 1 ? ", " : "") << names_[i];
+    }
+    if (count > 8) missing << ", ... (" << count - 8 << " more)";
+    TORCH_CHECK(false, "pycomm DDP (rank ", rank_,
+                "): finalize_backward() was called before "
+                "every gradient of the backward was in: ",
+                next_launch_, " of ", layout_.size(), " buckets launched, ", count,
+                " parameter(s) still to come (", missing.str(),
+                "). Call it after backward returns, or from a hook that runs after the last "
+                "parameter's gradient is accumulated");
+  }
+  finalize_locked(finalize_start);
+}
+
+void Reducer::finalize_locked(int64_t finalize_start) {
   state_ = State::kReduced;
   if (usage_.counting_hooks()) mark_counted();  // See Note [Static graph hook counts]
   if (gate_) open_launch_gate();
@@ -67,7 +142,9 @@ void Reducer::finalize_backward() {
   }
   usage_.end_step();
   recorder_.end_step();
-  if (timing_.recording()) timing_.push(step_, rank_, layout_, finalize_start);
+  if (timing_.recording()) {
+    timing_.push(step_, rank_, layout_, finalize_start, manual_finalization_);
+  }
   ++step_;
   forwards_ = 0;
 }

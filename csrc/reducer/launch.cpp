@@ -17,7 +17,7 @@ namespace pycomm::reducer {
 // torch.utils.checkpoint(use_reentrant=True) the first hooks fire inside a nested
 // backward, whose task ends (and would run finalize) before the other segments' run.
 void Reducer::queue_finalize() {
-  if (finalize_queued_) return;
+  if (finalize_queued_ || manual_finalization_) return;  // See Note [Manual backward finalization]
   finalize_queued_ = true;
   torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
     if (auto reducer = weak.lock()) (*reducer)->finalize_backward();

@@ -142,8 +142,17 @@ void Reducer::reset_step() {
   step_labelled_ = false;
 }
 
+void Reducer::refuse_unfinalized() const {
+  TORCH_CHECK(!awaits_manual_finalize(), "pycomm DDP (rank ", rank_,
+              "): the previous synchronized backward was not finalized: with "
+              "require_manual_backward_finalization, call finalize_backward() after each "
+              "synchronized backward, before the next forward (See Note [Manual backward "
+              "finalization])");
+}
+
 std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
+  refuse_unfinalized();
   std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
   // A parameter frozen after construction is never reached by the backward. The walk of
   // find_unused_parameters finds it unused, as torch's does, and it trains on. Otherwise
@@ -172,6 +181,12 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
 
 std::string Reducer::prepare_no_sync() {
   std::lock_guard<std::mutex> lock(mutex_);
+  if (awaits_manual_finalize()) {
+    // An evaluation forward (no grad) may run before the caller finalizes; a no_sync
+    // micro-step may not (See Note [Manual backward finalization]).
+    if (!c10::GradMode::is_enabled()) return std::string();
+    refuse_unfinalized();
+  }
   std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
   state_ = State::kIdle;
   if (c10::GradMode::is_enabled()) ++forwards_;  // a no_sync micro-step (not an evaluation)

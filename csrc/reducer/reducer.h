@@ -163,6 +163,15 @@ class Reducer {
     peer_hosts_ = std::move(hosts);
   }
 
+  // Manual backward finalization (See Note [Manual backward finalization] in finalize.cpp):
+  // while on, backward leaves each synchronized step for finalize_backward_manual() to end.
+  // Switched outside a synchronized step only.
+  void set_manual_finalization(bool required);
+  bool manual_finalization() const;
+  // Whether this step's finalize must wait until backward has returned (manual mode only).
+  bool should_finalize_after_backward() const;
+  void finalize_backward_manual();
+
   std::vector<StepTimeline> timelines(size_t n) const;
   const std::vector<std::unique_ptr<Bucket>>& buckets() const { return layout_.buckets(); }
   const std::vector<at::Tensor>& params() const { return params_; }
@@ -189,6 +198,10 @@ class Reducer {
   void launch_ready_buckets();
   void launch(Bucket& bucket);
   void finalize_backward();
+  void finalize_locked(int64_t finalize_start);
+  // A step that backward left for finalize_backward_manual(): every gradient is in.
+  bool awaits_manual_finalize() const;
+  void refuse_unfinalized() const;
   void wait_bucket(Bucket& bucket);
   void finalize_bucket(Bucket& bucket);
   void fail_unready();
@@ -253,6 +266,7 @@ class Reducer {
   std::vector<uint8_t> marked_;  // per parameter: marked ready this step
   int64_t last_hooked_ = -1;  // the last parameter a hook marked ready this step
   bool finalize_queued_ = false;  // finalize_backward is queued on a graph task
+  bool manual_finalization_ = false;  // See Note [Manual backward finalization]
   at::Tensor scale_;  // 1 / div_factor_, a wrapped scalar
   double scale_value_ = 1.0;  // the same, for stream_copy
   int64_t step_ = 0;  // synchronized steps finalized

@@ -49,7 +49,7 @@ void resolve_device_stamps(StepTimeline& step) {
 }
 
 void StepTiming::push(int64_t step_index, int64_t rank, const BucketLayout& layout,
-                      int64_t finalize_start_ns) {
+                      int64_t finalize_start_ns, bool manual_finalization) {
   StepTimeline step;
   step.step = step_index;
   step.rank = rank;
@@ -71,6 +71,7 @@ void StepTiming::push(int64_t step_index, int64_t rank, const BucketLayout& layo
   }
   step.finalize_start_ns = finalize_start_ns;
   step.finalize_end_ns = now_ns();
+  step.manual_finalization = manual_finalization;
   step.device = std::move(stamps_);
   ring_.push(std::move(step));
 }

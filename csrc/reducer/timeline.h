@@ -76,6 +76,7 @@ struct StepTimeline {
   std::vector<BucketTimes> buckets;
   int64_t finalize_start_ns = -1;
   int64_t finalize_end_ns = -1;
+  bool manual_finalization = false;  // finalize_start_ns is when the caller called it
   std::shared_ptr<DeviceStamps> device;  // null on CPU
 };
 
@@ -129,7 +130,8 @@ class StepTiming {
   // For the bucket's completion callback (null on CPU or without record_timeline).
   const std::shared_ptr<DeviceStamps>& stamps() const { return stamps_; }
   // The end of finalize: the step's record goes into the ring.
-  void push(int64_t step, int64_t rank, const BucketLayout& layout, int64_t finalize_start_ns);
+  void push(int64_t step, int64_t rank, const BucketLayout& layout, int64_t finalize_start_ns,
+            bool manual_finalization);
   // The last `n` steps, most recent last; device stamps still unresolved.
   std::vector<StepTimeline> last(size_t n) const { return ring_.last(n); }
   void reset_step() {

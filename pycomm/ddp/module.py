@@ -35,12 +35,16 @@ from .compile import (
     warn_if_python_reducer,
 )
 from .delay import DelayedAllReduce
+from .finalization import TORCH_HAS_MANUAL_FINALIZATION, ManualFinalization
 from .forward import ForwardSync
 from .join import DDPJoinHook
 from .runtime import Runtime
 
+# torch's API of the installed release: a later release's methods only where torch has them
+_TORCH_RELEASE_API = (ManualFinalization,) if TORCH_HAS_MANUAL_FINALIZATION else ()
 
-class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
+
+class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module, Joinable):
     """Data parallelism with pycomm's C++ bucketed reducer; torch 2.13's constructor. An
     instance of torch's DistributedDataParallel too: See Note [Virtual subclass of torch's
     DDP] in compat.py, which also holds torch's attributes that libraries read."""
@@ -109,9 +113,15 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         return construction.buffers_to_sync(self.module, self._delayed_names)
 
-    def _build_reducer(self) -> None:
-        """(Re)build the reducer and everything around it, whole (runtime.py)."""
+    def _build_reducer(self, manual_finalization: bool = False) -> None:
+        """(Re)build the reducer and everything around it, whole (runtime.py). A rebuilt
+        reducer keeps the old one's manual finalization (finalization.py)."""
+        old = self.__dict__.get("_runtime")
+        if old is not None:
+            manual_finalization = old.reducer.manual_finalization
         self._runtime = Runtime(self)
+        if manual_finalization:
+            self._runtime.reducer.set_manual_finalization(True)
 
     @property
     def reducer(self) -> TorchReducer:
@@ -349,7 +359,7 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         return pickling.pickled_state(self.__dict__)
 
     def __setstate__(self, state: dict) -> None:
-        state, split = pickling.unpickled_state(state)
+        state, split, manual_finalization = pickling.unpickled_state(state)
         self.process_group = dist.distributed_c10d._get_default_group()
         super().__setstate__(state)
         self._graph_split = split
@@ -358,4 +368,4 @@ class DistributedDataParallel(TorchDDPAttributes, nn.Module, Joinable):
         # torch 2.13's own DDP silently stops reducing them after torch.load (its
         # _delayed_all_reduce_hook is a tensor hook, which Parameter pickling drops).
         self._delayed = self._make_delayed()
-        self._build_reducer()
+        self._build_reducer(manual_finalization)

@@ -20,16 +20,21 @@ def pickled_state(attrs: dict) -> dict:
     state = copy.copy(attrs)
     split = state.get("_graph_split")
     state["_split_refused"] = split is not None and split.refused
+    runtime = state.get("_runtime")
+    # the reducer's mode (finalization.py), which the unpickled module's reducer takes on
+    state["_manual_finalization"] = runtime is not None and runtime.reducer.manual_finalization
     for key in REBUILT:
         state.pop(key, None)
     return state
 
 
-def unpickled_state(state: dict) -> tuple[dict, GraphSplit]:
-    """The pickled state to restore, and the graph-split state (not refused where a pickle
-    predates the flag)."""
+def unpickled_state(state: dict) -> tuple[dict, GraphSplit, bool]:
+    """The pickled state to restore, the graph-split state (not refused where a pickle
+    predates the flag) and whether the reducer finalized manually (no, where a pickle
+    predates that)."""
     state = dict(state)
     # Pickles from before the delayed all-reduce existed hold neither attribute.
     state.setdefault("_delayed_spec", None)
     state.setdefault("_delayed_names", set())
-    return state, GraphSplit(state.pop("_split_refused", False))
+    manual_finalization = state.pop("_manual_finalization", False)
+    return state, GraphSplit(state.pop("_split_refused", False)), manual_finalization

@@ -16,6 +16,13 @@ and is 1.0 by convention for a step with no communication (nothing was left expo
     bucket 0        |--comm--|                          hidden
     bucket 1                   |----comm--:---|         partly exposed
                                        last ready
+
+Under manual backward finalization (torch 2.15's finalize_backward(), Note [Manual backward
+finalization] in csrc/reducer/finalize.cpp) the caller runs work of its own between the last
+gradient and its finalize_backward() call: `caller_s` is that window, and
+`comm_behind_caller_s` the part of the exposed communication that ran inside it, hidden
+behind the caller's work rather than behind backward. Both are 0 for a step finalized by
+backward itself.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class StepReport:
     overlap: float  # 1 - exposed / comm, in 0..1
     finalize_s: float
     buckets: tuple[BucketRow, ...]
+    caller_s: float = 0.0  # last gradient ready -> the caller's finalize_backward()
+    comm_behind_caller_s: float = 0.0  # exposed communication inside that window
     # The raw dict this report was built from: what `replay`, `chrome_trace` and the plots read.
     timeline: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -142,6 +151,10 @@ def step_report(raw: Mapping[str, Any]) -> StepReport:
     intervals = [(b["launch_ns"], b["done_ns"]) for b in raw["buckets"]]
     comm_ns = union_length(intervals)
     exposed_ns = union_length(intervals, after=last)
+    manual = bool(raw.get("manual_finalization", False))  # absent from older records
+    called = raw["finalize_start_ns"]
+    caller_ns = max(called - last, 0) if manual else 0
+    behind_ns = (exposed_ns - union_length(intervals, after=max(called, last))) if manual else 0
     rows = tuple(
         BucketRow(index=b["index"], nbytes=b["nbytes"],
                   params=tuple(names[i] for i in b["param_indices"]),
@@ -155,7 +168,7 @@ def step_report(raw: Mapping[str, Any]) -> StepReport:
         comm_s=comm_ns * _NS, exposed_comm_s=exposed_ns * _NS,
         overlap=1.0 - exposed_ns / comm_ns if comm_ns > 0 else 1.0,
         finalize_s=(raw["finalize_end_ns"] - raw["finalize_start_ns"]) * _NS, buckets=rows,
-        timeline=raw)
+        caller_s=caller_ns * _NS, comm_behind_caller_s=behind_ns * _NS, timeline=raw)
 
 
 def step_reports(timelines: Sequence[Mapping[str, Any]], recording: bool = True
@@ -178,6 +191,10 @@ def format_report(r: StepReport) -> str:
         f"{'bucket':>6} {'bytes':>11} {'params':>6} {'ready':>8} {'launch':>8} {'done':>8} "
         f"{'comm':>8} {'exposed':>8}   (ms from backward start)",
     ]
+    if r.timeline.get("manual_finalization"):
+        lines.insert(1, f"finalize_backward() called {r.caller_s * 1e3:.2f} ms after the last "
+                        f"gradient; {r.comm_behind_caller_s * 1e3:.2f} ms of the exposed comm ran "
+                        f"behind the caller's work")
     lines += [f"{b.index:>6} {b.nbytes:>11} {len(b.params):>6} {b.ready_s * 1e3:>8.2f} "
               f"{b.launch_s * 1e3:>8.2f} {b.done_s * 1e3:>8.2f} {b.comm_s * 1e3:>8.2f} "
               f"{b.exposed_s * 1e3:>8.2f}" for b in r.buckets]

@@ -17,7 +17,7 @@ from tests.support.ddp_models import assert_same, make_input
 from tests.support.multirank import run_ranks
 
 TIMELINE_KEYS = {"step", "rank", "backward_start_ns", "param_ready_ns", "param_names",
-                 "buckets", "finalize_start_ns", "finalize_end_ns"}
+                 "buckets", "finalize_start_ns", "finalize_end_ns", "manual_finalization"}
 BUCKET_KEYS = {"index", "nbytes", "param_indices", "ready_ns", "launch_ns", "done_ns",
                "in_place"}
 

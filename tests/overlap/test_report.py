@@ -207,3 +207,23 @@ def test_step_reports_refuse_when_recording_is_off():
     assert step_reports([]) == []
     with pytest.raises(RuntimeError, match="record_timeline=False"):
         step_reports(raws, recording=False)
+
+
+def test_manual_finalization_window():
+    # The hand-computed step, its finalize called by the caller at 17 ms (manual): the
+    # caller's window is 12 -> 17 ms, and the exposed communication inside it is 12 -> 17 of
+    # [12, 19] (5 ms); 2 ms stay exposed after the call.
+    raw = two_bucket_timeline()
+    raw.update(manual_finalization=True, finalize_start_ns=raw["backward_start_ns"] + 17 * MS)
+    r = step_report(raw)
+    assert _ms(r.caller_s) == 5 and _ms(r.comm_behind_caller_s) == 5
+    assert _ms(r.exposed_comm_s) == 7  # unchanged: after the last gradient
+    assert "finalize_backward() called 5.00 ms after the last gradient; 5.00 ms" in str(r)
+    # A call before the last collective's launch window ends covers less of it.
+    raw.update(finalize_start_ns=raw["backward_start_ns"] + 13 * MS)
+    assert _ms(step_report(raw).comm_behind_caller_s) == 1
+    # Finalized by backward itself (or a record from before the flag): no caller window.
+    raw.pop("manual_finalization")
+    r = step_report(raw)
+    assert r.caller_s == 0 and r.comm_behind_caller_s == 0
+    assert "finalize_backward() called" not in str(r)
