@@ -99,6 +99,15 @@ at::Tensor view_for(const at::Tensor& buffer, const at::Tensor& param, int64_t o
 
 }  // namespace
 
+void ensure_storage(const at::Tensor& buffer) {
+  const auto need = static_cast<size_t>((buffer.storage_offset() + buffer.numel()) *
+                                        static_cast<int64_t>(buffer.element_size()));
+  if (buffer.storage().nbytes() >= need) return;
+  at::Tensor bytes = at::empty({0}, buffer.options().dtype(at::kByte));
+  bytes.set_(buffer.storage());
+  bytes.resize_({static_cast<int64_t>(need)});  // grows the shared storage in place
+}
+
 // Note [Bucket memory]
 // A bucket's buffer is allocated, not written: every step writes each slot before the
 // collective reads it (the gradient's copy, or zeros for a parameter without one), so its

@@ -108,15 +108,6 @@ void Reducer::mark_ready(size_t index, bool used) {
 // in place (Note [Gradients reduced in place]: the optimizer's reduce-scatter straight from
 // param.grad) is never filled: its gradients stay in param.grad until its collective is
 // done, then are dropped (release_in_place), and its storage stays freed.
-static void ensure_storage(const at::Tensor& buffer) {
-  const auto need = static_cast<size_t>((buffer.storage_offset() + buffer.numel()) *
-                                        static_cast<int64_t>(buffer.element_size()));
-  if (buffer.storage().nbytes() >= need) return;
-  at::Tensor bytes = at::empty({0}, buffer.options().dtype(at::kByte));
-  bytes.set_(buffer.storage());
-  bytes.resize_({static_cast<int64_t>(need)});  // grows the shared storage in place
-}
-
 void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   const size_t index = bucket.params[slot];
   at::Tensor& view = bucket.views[slot];
