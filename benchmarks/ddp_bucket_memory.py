@@ -150,6 +150,10 @@ IMPLS: dict[str, Callable[[nn.Module], nn.Module]] = {
     "pycomm": _pycomm(),
     "pycomm_bucketed": _pycomm(config=pycomm.DDPConfig(in_place_reduction=False)),
     "pycomm_view": _pycomm(gradient_as_bucket_view=True),
+    # DDPConfig's field, on any torch (the keyword argument needs torch >= 2.15)
+    "pycomm_lazy": _pycomm(config=pycomm.DDPConfig(lazy_bucket_allocation=True)),
+    "pycomm_bucketed_lazy": _pycomm(config=pycomm.DDPConfig(in_place_reduction=False,
+                                                            lazy_bucket_allocation=True)),
     # A what-if, not a configuration: pycomm's defaults with the zeros of its bucket buffers
     # dropped after construction and again after the re-cut (_drop_zero_buckets).
     "pycomm_dropped": lambda m: _drop_zero_buckets(pycomm.DistributedDataParallel(m)),
@@ -315,10 +319,10 @@ def format_rows(meta: dict, rows: list[Row]) -> str:
            f"torch's defaults | load {meta['load_before']} -> {meta['load_after']}",
            f"# command: {meta['command']}",
            "# medians, MB over the resident memory of the built model (See the docstring)",
-           "#" + f"{'model':>14}{'impl':>17}" + "".join(f"{h:>9}" for h, _ in _HEADS),
-           "#" + " " * 31 + "".join(f"{u:>9}" for _, u in _HEADS)]
+           "#" + f"{'model':>14}{'impl':>22}" + "".join(f"{h:>9}" for h, _ in _HEADS),
+           "#" + " " * 36 + "".join(f"{u:>9}" for _, u in _HEADS)]
     for r in rows:
-        out.append(f"{r.model:>15}{r.impl:>17}"
+        out.append(f"{r.model:>15}{r.impl:>22}"
                    + "".join(f"{r.medians[f]:9.1f}" for f in FIELDS))
     return "\n".join(out)
 

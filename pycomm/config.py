@@ -99,6 +99,15 @@ class DDPConfig:
     (one _foreach_copy_ per bucket) and the bucket divided once by the world size, instead
     of one scaled copy per parameter. Same numbers as torch in that mode (x / n)."""
 
+    lazy_bucket_allocation: bool = dataclasses.field(default=False, metadata=PER_RANK)
+    """torch 2.15's option: a bucket that goes through its buffer gets the buffer's memory
+    when its first gradient is copied in and gives it back once backward is finalized, so
+    between steps the DDP holds no copy of the gradients. Buckets reduced in place (the
+    default over pycomm's shared-memory group) never take that memory, with or without it
+    (See Note [Bucket memory] in csrc/reducer/bucket.cpp). Not for buckets whose views are
+    param.grad (gradient_as_bucket_view) or param.main_grad (grad_reduce_dtype): those keep
+    theirs. The DDP takes it as a keyword argument on torch >= 2.15, as torch's does."""
+
     shared_memory_gradients: bool = True
     """Reduce gradients through pycomm's shared-memory backend ("pycomm", see
     pycomm/shm.py) when the process group is a Gloo group whose ranks all run on this

@@ -108,6 +108,12 @@ void ensure_storage(const at::Tensor& buffer) {
   bytes.resize_({static_cast<int64_t>(need)});  // grows the shared storage in place
 }
 
+void release_storage(const at::Tensor& buffer) {
+  c10::StorageImpl* storage = buffer.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(at::DataPtr(nullptr, buffer.device()));  // frees the old bytes
+  storage->set_nbytes(0);
+}
+
 // Note [Bucket memory]
 // A bucket's buffer is allocated, not written: every step writes each slot before the
 // collective reads it (the gradient's copy, or zeros for a parameter without one), so its
@@ -117,6 +123,12 @@ void ensure_storage(const at::Tensor& buffer) {
 // construction or after (benchmarks/results/ddp_bucket_memory_cpu.md), where zeros cost a
 // resident copy of every gradient from construction on. A widened bucket (grad_reduce_dtype)
 // is zeroed: its views are the parameters' main_grad, which the user may read first.
+// With lazy_bucket_allocation (torch 2.15's option) a bucket that goes through its buffer
+// also gives the memory back once backward is finalized (release_storage) and takes it
+// again at its first copy of the next step (ensure_storage, before anything writes or
+// reads the buffer: the copy in, the launch), so between steps only param.grad holds the
+// gradients; not a bucket whose views are param.grad (gradient_as_bucket_view) or
+// param.main_grad (a widened one), which live on.
 std::vector<std::unique_ptr<Bucket>> build_buckets(
     const std::vector<at::Tensor>& params, const std::vector<std::string>& names,
     const std::vector<std::vector<size_t>>& assignment,

@@ -99,9 +99,11 @@ std::vector<std::vector<size_t>> assign_buckets(const std::vector<at::Tensor>& p
                                                 const std::vector<int64_t>& byte_limits,
                                                 const std::vector<int64_t>& groups = {});
 
-// Give `buffer`'s storage the bytes it views again after its storage was freed (in place:
-// its views stay valid), or nothing when it has them.
+// Give `buffer`'s storage the bytes it views again after release_storage (in place: its
+// views stay valid), or nothing when it has them.
 void ensure_storage(const at::Tensor& buffer);
+// Free `buffer`'s storage; its views keep their shapes and offsets (See Note [Bucket memory]).
+void release_storage(const at::Tensor& buffer);
 
 // Allocate the buffers of `assignment`. A bucket's dtype is the parameters' dtype, or
 // `grad_reduce_dtype` when given (fp32 reduction of low-precision parameters).

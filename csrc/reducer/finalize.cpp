@@ -94,6 +94,11 @@ bool Reducer::should_finalize_after_backward() const {
   return manual_finalization_ && usage_.counting_hooks();
 }
 
+bool Reducer::lends_buffer(const Bucket& bucket) const {
+  return options_.lazy_bucket_allocation && !options_.gradient_as_bucket_view &&
+         bucket.buffer.scalar_type() == params_[bucket.params.front()].scalar_type();
+}
+
 bool Reducer::awaits_manual_finalize() const {
   return manual_finalization_ && state_ == State::kBackward &&
          (usage_.counting_hooks() ||
@@ -139,6 +144,9 @@ void Reducer::finalize_locked(int64_t finalize_start) {
   for (auto& bucket : layout_.buckets()) {
     finalize_bucket(*bucket);
     bucket->grads.clear();  // param.grad may be freed (zero_grad) before the next step
+    if (bucket->path == BucketPath::kBuffer && lends_buffer(*bucket)) {
+      release_storage(bucket->buffer);  // See Note [Bucket memory] in bucket.cpp
+    }
   }
   usage_.end_step();
   recorder_.end_step();

@@ -114,7 +114,7 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   at::Tensor& grad = params_[index].mutable_grad();
   const bool divide = divides_in_copy();
   const bool release = releases(bucket.path);
-  if (release) ensure_storage(bucket.buffer);
+  if (release || lends_buffer(bucket)) ensure_storage(bucket.buffer);
   if (main_grads_.take(index)) {  // the view holds the local sum (Note [main_grad accumulation])
     if (divide) view.mul_(scale_);
     return;
@@ -236,6 +236,7 @@ void Reducer::launch(Bucket& bucket) {
     bucket.done_ns.store(bucket.ready_ns);
     return;
   }
+  if (!in_place(bucket.path) && lends_buffer(bucket)) ensure_storage(bucket.buffer);
   for (auto& callback : pre_launch_) callback(bucket);
   bucket.launch_ns = now_ns();
   const comm::OpLabel label{static_cast<int64_t>(bucket.index), forwards_, step_};

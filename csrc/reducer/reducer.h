@@ -52,6 +52,7 @@ namespace pycomm::reducer {
   X(std::optional<at::ScalarType>, grad_reduce_dtype) \
   X(bool, skip_all_reduce_unused_params)              \
   X(bool, batched_grad_copy)                          \
+  X(bool, lazy_bucket_allocation)                     \
   X(bool, inline_collectives)                         \
   X(bool, streaming_copies)                           \
   X(bool, in_place_reduction)                         \
@@ -66,6 +67,7 @@ namespace pycomm::reducer {
 // - batched_grad_copy: grads land in their bucket unscaled, copied all at once (one
 //   _foreach_copy_) when the bucket is complete, then one division of the whole bucket by
 //   the world size (torch's numerics in that mode: x / n, not x * (1/n)).
+// - lazy_bucket_allocation: See Note [Bucket memory] in bucket.cpp.
 // - inline_collectives: see Note [Inline collectives] in launch.cpp; comm hooks stay
 //   asynchronous.
 // - streaming_copies: copies past kStreamCopyMinBytes with non-temporal stores (See Note
@@ -223,6 +225,9 @@ class Reducer {
   static void release_in_place(Bucket& bucket, const std::vector<at::Tensor>& params);
   void queue_finalize();
   // deferred.cpp (See Note [Deferred launch]).
+  // lazy_bucket_allocation: whether `bucket` gives its buffer's memory back after finalize
+  // (a buffer that is no parameter's grad or main_grad). See Note [Bucket memory].
+  bool lends_buffer(const Bucket& bucket) const;
   bool divides_in_copy() const {
     return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
   }

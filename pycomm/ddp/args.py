@@ -5,6 +5,7 @@ starts from. Pure functions of their arguments; the module itself stays in modul
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
 from dataclasses import fields, is_dataclass
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from ..config import DDPConfig
 from ..shm import hierarchical_group, hierarchy, host_layout, same_host_group
+from .compat import TORCH_DDP
 
 _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why not others)
     "mixed_precision": (None, "torch 2.13's _MixedPrecision needs accelerator streams and "
@@ -22,6 +24,37 @@ _UNIMPLEMENTED = {  # torch argument -> (its value that pycomm implements, why n
                         "events'), so pycomm has no oracle for it here; for fp32 reduction of "
                         "bf16/fp16 gradients use DDPConfig(grad_reduce_dtype=torch.float32)"),
 }
+
+
+NOT_GIVEN: Any = object()
+"""The default of a constructor argument that only some torch releases' DDP takes."""
+
+_TORCH_DDP_ARGS = inspect.signature(TORCH_DDP.__init__).parameters
+_RELEASE_ARGS = ("lazy_bucket_allocation",)  # torch 2.15's
+
+
+def release_argument(name: str, value: Any, default: Any) -> Any:
+    """`value` of a constructor argument of a later torch's DDP (_RELEASE_ARGS), or
+    `default` when not given; on a torch whose DDP lacks it, the TypeError torch's gives."""
+    if value is NOT_GIVEN:
+        return default
+    if name not in _TORCH_DDP_ARGS:
+        raise TypeError(f"DistributedDataParallel.__init__() got an unexpected keyword argument "
+                        f"'{name}' (torch {torch.__version__}'s DDP has no such argument; it "
+                        f"came in a later torch)")
+    return value
+
+
+def torch_release_signature(init: Any) -> inspect.Signature:
+    """`init`'s signature as the installed torch's DDP has it: without the arguments of a
+    later release (_RELEASE_ARGS) where torch's lacks them, with their torch default where
+    it has them."""
+    sig = inspect.signature(init)
+    params = [p.replace(default=_TORCH_DDP_ARGS[p.name].default) if p.name in _RELEASE_ARGS
+              and p.name in _TORCH_DDP_ARGS else p
+              for p in sig.parameters.values()
+              if p.name not in _RELEASE_ARGS or p.name in _TORCH_DDP_ARGS]
+    return sig.replace(parameters=params)
 
 
 def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig,
@@ -128,7 +161,7 @@ def config_from_args(config: Optional[DDPConfig], *, bucket_cap_mb: Optional[flo
                      gradient_as_bucket_view: bool, static_graph: bool,
                      broadcast_buffers: Optional[bool], forward_sync_buffers: Optional[bool],
                      init_sync: bool, skip_all_reduce_unused_params: bool,
-                     batched_grad_copy: bool) -> DDPConfig:
+                     batched_grad_copy: bool, lazy_bucket_allocation: bool) -> DDPConfig:
     """The DDPConfig of torch's keyword arguments, or `config` when they are all left at
     their defaults (both at once is refused, naming the arguments given twice)."""
     sync, init_buffers = buffer_sync(broadcast_buffers, forward_sync_buffers)
@@ -139,7 +172,7 @@ def config_from_args(config: Optional[DDPConfig], *, bucket_cap_mb: Optional[flo
         gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
         broadcast_buffers=sync, init_sync=init_sync, init_sync_buffers=init_buffers,
         skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-        batched_grad_copy=batched_grad_copy)
+        batched_grad_copy=batched_grad_copy, lazy_bucket_allocation=lazy_bucket_allocation)
     if config is None:
         return DDPConfig(**from_args)
     default = DDPConfig()

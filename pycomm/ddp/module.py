@@ -22,7 +22,15 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from .. import overlap, registry
 from ..config import DDPConfig
 from . import construction, pickling
-from .args import check_args, config_from_args, find_tensors, resolve_group
+from .args import (
+    NOT_GIVEN,
+    check_args,
+    config_from_args,
+    find_tensors,
+    release_argument,
+    resolve_group,
+    torch_release_signature,
+)
 from .clip import clip_ddp_grad_norm_, synced_grad
 from .compat import TorchDDPAttributes, TorchReducer
 from .compile import (
@@ -56,9 +64,11 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
                  mixed_precision=None, device_mesh=None, skip_all_reduce_unused_params=False,
                  bucket_cap_mb_list=None, batched_grad_copy=False, forward_sync_buffers=None,
-                 *, config: Optional[DDPConfig] = None):
+                 lazy_bucket_allocation=NOT_GIVEN, *, config: Optional[DDPConfig] = None):
         super().__init__()
         Joinable.__init__(self)
+        lazy_bucket_allocation = release_argument("lazy_bucket_allocation",
+                                                  lazy_bucket_allocation, False)
         check_args(mixed_precision=mixed_precision,
                    delay_all_reduce_named_params=delay_all_reduce_named_params,
                    param_to_hook_all_reduce=param_to_hook_all_reduce,
@@ -70,7 +80,7 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             broadcast_buffers=broadcast_buffers, forward_sync_buffers=forward_sync_buffers,
             init_sync=init_sync, skip_all_reduce_unused_params=skip_all_reduce_unused_params,
-            batched_grad_copy=batched_grad_copy)
+            batched_grad_copy=batched_grad_copy, lazy_bucket_allocation=lazy_bucket_allocation)
         self.process_group = resolve_group(process_group, device_mesh)
         # before any other collective: options that differ would desynchronize them
         self.config = construction.agreed_config(self.config, self.process_group)
@@ -101,6 +111,8 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
             construction.verify_and_sync_states(self.process_group, self._params_to_sync(),
                                                 buffers)
         self._build_reducer()
+
+    __init__.__signature__ = torch_release_signature(__init__)
 
     # ---- construction (see construction.py) ------------------------------------------
 
