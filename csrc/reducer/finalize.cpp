@@ -116,18 +116,12 @@ void Reducer::finalize_backward_manual() {
               "last forward ran under no_sync() or without grad, its backward reached no "
               "parameter or has not run, or finalize_backward() already ended it");
   if (!awaits_manual_finalize()) {
-    std::ostringstream missing;
-    size_t count = 0;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (marked_[i]) continue;
-      if (count++ < 8) missing << (count > 1 ? ", " : "") << names_[i];
-    }
-    if (count > 8) missing << ", ... (" << count - 8 << " more)";
+    const auto [count, missing] = unmarked_params(8);
     TORCH_CHECK(false, "pycomm DDP (rank ", rank_,
                 "): finalize_backward() was called before "
                 "every gradient of the backward was in: ",
                 next_launch_, " of ", layout_.size(), " buckets launched, ", count,
-                " parameter(s) still to come (", missing.str(),
+                " parameter(s) still to come (", missing,
                 "). Call it after backward returns, or from a hook that runs after the last "
                 "parameter's gradient is accumulated");
   }
@@ -223,14 +217,19 @@ std::vector<size_t> Reducer::unused_parameters() const {
   return out;
 }
 
-void Reducer::fail_unready() {
+std::pair<size_t, std::string> Reducer::unmarked_params(size_t shown) const {
   std::ostringstream missing;
   size_t count = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
     if (marked_[i]) continue;
-    if (count++ < 16) missing << (count > 1 ? ", " : "") << names_[i];
+    if (count++ < shown) missing << (count > 1 ? ", " : "") << names_[i];
   }
-  if (count > 16) missing << ", ... (" << count - 16 << " more)";
+  if (count > shown) missing << ", ... (" << count - shown << " more)";
+  return {count, missing.str()};
+}
+
+void Reducer::fail_unready() {
+  const auto [count, missing] = unmarked_params(16);
   const size_t first_unlaunched = next_launch_;
   discard_step();
   state_ = State::kIdle;
@@ -240,7 +239,7 @@ void Reducer::fail_unready() {
               first_unlaunched,
               " and later were "
               "never reduced: ",
-              missing.str(),
+              missing,
               ". These parameters were not used to compute "
               "the loss: pass find_unused_parameters=True to DistributedDataParallel, or make "
               "sure every parameter takes part (or set requires_grad=False before wrapping).");

@@ -24,6 +24,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "comm/c10d.h"
@@ -207,6 +208,8 @@ class Reducer {
   void wait_bucket(Bucket& bucket);
   void finalize_bucket(Bucket& bucket);
   void fail_unready();
+  // How many parameters no hook marked ready this step, and the first `shown` names.
+  std::pair<size_t, std::string> unmarked_params(size_t shown) const;
   // A step that ends in an error or is abandoned: its collectives drained, its state and
   // usage dropped.
   void discard_step();
