@@ -109,22 +109,16 @@ class TorchDDPAttributes:
         return self.config.gradient_as_bucket_view
 
     @property
-    def broadcast_buffers(self) -> bool:
-        return self.config.broadcast_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        # torch's is a plain attribute its forward reads each time: so is the config here.
-        self.config = self.config.replace(broadcast_buffers=bool(value))
-
-    @property
     def forward_sync_buffers(self) -> bool:
-        """torch's name (2.13 on) for what broadcast_buffers names: the same option."""
+        """Whether buffers are broadcast before a forward (DDPConfig.broadcast_buffers)."""
         return self.config.broadcast_buffers
 
     @forward_sync_buffers.setter
     def forward_sync_buffers(self, value: bool) -> None:
+        # torch's is a plain attribute its forward reads each time: so is the config here.
         self.config = self.config.replace(broadcast_buffers=bool(value))
+
+    broadcast_buffers = forward_sync_buffers  # torch's older name for the same option
 
     @property
     def batched_grad_copy(self) -> bool:
