@@ -26,6 +26,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from . import _C
 from .objects import all_gather_object
@@ -282,9 +283,28 @@ def host_layout(group: dist.ProcessGroup) -> HostLayout:
     return _LAYOUTS[group.group_name]
 
 
+# Note [Groups made by their members only]
+# same_host_group and hierarchical_group make their "pycomm" group with new_group(...,
+# use_local_synchronization=True), called only by the ranks of the group they are given.
+# torch names a group from per-process state that such a call moves on its members alone:
+# torch 2.13 salts the name of a member-made group with the number of groups the process
+# holds; torch 2.15 salts it with its count of groups made, and advances that count, which
+# also names every group made by all ranks ("3"). After a group made by some ranks, the next
+# group made by others (on 2.15 any group, the world's included) is named one way on the
+# former and another way on the latter; each side then waits in the store under its own
+# prefix for peers that never come, until the store's timeout (300 s for a FileStore).
+# So pycomm names such a group itself, after the group it is made over (a name every member
+# shares, unique among live groups), and torch's naming state stays as the other ranks
+# have it.
 def _pycomm_group_over(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    return dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
-                          timeout=_group_timeout(group), use_local_synchronization=True)
+    name = f"pycomm_{group.group_name}"
+    naming = _c10d._process_group_name
+    _c10d._process_group_name = lambda ranks, use_hashed_name: name
+    try:
+        return dist.new_group(dist.get_process_group_ranks(group), backend=BACKEND_NAME,
+                              timeout=_group_timeout(group), use_local_synchronization=True)
+    finally:
+        _c10d._process_group_name = naming
 
 
 def gloo_address() -> str:

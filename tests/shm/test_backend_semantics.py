@@ -425,3 +425,24 @@ def _same_host_groups(rank, world):
 
 def test_same_host_group_over_gloo():
     run_ranks(_same_host_groups, world_size=3, backend="gloo")
+
+
+def _groups_made_by_members_only(rank, world):
+    pair = dist.new_group([0, 1])
+    if rank < 2:  # the pair's "pycomm" group, made by its members while rank 2 makes nothing
+        t = torch.ones(3)
+        dist.all_reduce(t, group=pycomm.shm.same_host_group(pair))
+        assert torch.equal(t, torch.full((3,), 2.0))
+    # Every rank must still name later groups alike (See Note [Groups made by their members
+    # only] in pycomm/shm.py): a group made by all ranks (torch 2.15 named it apart), then
+    # the "pycomm" group over it, made by its members (torch 2.13 named that one apart).
+    everyone = dist.new_group()
+    t = torch.ones(3)
+    dist.all_reduce(t, group=pycomm.shm.same_host_group(everyone))
+    assert torch.equal(t, torch.full((3,), float(world)))
+
+
+def test_groups_made_by_members_only_leave_later_groups_named_alike():
+    # Named apart, the ranks wait for each other in the store until its 300 s timeout; the
+    # deadline turns that into a failure (the test takes ~3 s on 2 loaded cores).
+    run_ranks(_groups_made_by_members_only, world_size=3, backend="gloo", deadline_s=90)
