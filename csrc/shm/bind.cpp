@@ -41,6 +41,25 @@ pybind11::list flight_record_dicts(const shm::ShmBackend& backend) {
 
 void bind_hier(pybind11::module& m);
 
+// Note [Destroyed without the GIL]
+// A backend's destructor stops its lanes and waits for their worker threads, and a worker
+// that drops the last reference to a finished operation's tensors takes the GIL to release
+// their Python objects: a destructor run with the GIL held waits for ever. It runs so when
+// Python drops the last reference, which since torch 2.14 is the usual end of a group's
+// backend: a c10d::Backend keeps its Python object while it lives, and the group's
+// destructor ends the backend through it (seen: a rank of the hierarchical group hung at
+// exit in 1 run of 5 of tests/hosts' collectives benchmark). pybind11 3 releases the GIL
+// around the destructor when the class asks. Earlier pybind11 (older torch) cannot; there a
+// group drops its backend without the GIL, and only a backend Python held last is exposed.
+template <typename Class>
+Class bind_backend(pybind11::module& m, const char* name, const char* doc) {
+#if PYBIND11_VERSION_MAJOR >= 3
+  return Class(m, name, doc, pybind11::release_gil_before_calling_cpp_dtor());
+#else
+  return Class(m, name, doc);
+#endif
+}
+
 }  // namespace
 
 void bind_shm(pybind11::module& m) {
@@ -49,7 +68,7 @@ void bind_shm(pybind11::module& m) {
   py::module::import("torch.distributed");
   // How the error of a /dev/shm too small for a new group's segment starts (pycomm.shm).
   m.attr("SHM_NO_SPACE") = shm::kNoSpaceMessage;
-  py::class_<shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<shm::ShmBackend>>(
+  bind_backend<py::class_<shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<shm::ShmBackend>>>(
       m, "ShmBackend", "c10d backend over a shared-memory segment (see pycomm/shm.py)")
       .def(py::init([](const std::string& name, int rank, int size, int64_t timeout_ms,
                        bool create) {
@@ -145,7 +164,7 @@ void bind_hier(pybind11::module& m) {
         return shm::wire_bytes(comm::Wire::parse(wire, false).dtype, n);
       },
       py::arg("wire"), py::arg("n"), "bytes n float32 values take in the wire's form");
-  py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>(
+  bind_backend<py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>>(
       m, "HierBackend",
       "c10d backend of a group over several hosts: all-reduce, reduce_scatter_tensor and "
       "all_gather_into_tensor hierarchically (shared memory within a host, `cross` across "

@@ -1,0 +1,63 @@
+"""How a "pycomm" backend ends: dropped with an operation still running. Real ranks;
+the backends are made by pycomm.shm.create_backend as torch's creator call makes them."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import pycomm.shm
+from tests.support.multirank import run_ranks
+
+_OP_TIMEOUT_S = 1.0  # how long rank 0's all-reduce waits for rank 1, which never comes
+
+
+def _backend(rank, world, hosts, prefix):
+    if hosts:  # every rank a host of its own: the hierarchical backend (csrc/shm/hier.h)
+        pycomm.shm.host_identity = lambda: f"host{rank}/boot"
+    store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
+    timeout = datetime.timedelta(seconds=_OP_TIMEOUT_S)
+    return store, pycomm.shm.create_backend(store, rank, world, timeout)
+
+
+def _wait_until_running(backend, hosts):
+    """Until the worker runs the all-reduce: the shared-memory one waiting for rank 1, or
+    the hierarchical one past its one-rank local phase, waiting for rank 1 across hosts."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        record = (backend.local if hosts else backend).flight_record()
+        if record and record[-1]["state"] == ("completed" if hosts else "started"):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"the all-reduce never started: {record}")
+
+
+def _drop_in_flight(rank, world, hosts):
+    store, backend = _backend(rank, world, hosts, "dropped/")
+    assert isinstance(backend, pycomm._C.HierBackend if hosts else pycomm._C.ShmBackend)
+    if rank == 0:
+        group = dist.ProcessGroup(store, rank, world)
+        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
+                                backend)
+        # Run by the backend's worker, which holds the only reference to the tensor once
+        # Python drops its own: releasing it there takes the GIL.
+        group.allreduce([torch.ones(4)])
+        del group
+        _wait_until_running(backend, hosts)
+        start = time.monotonic()
+        del backend  # the last reference: the destructor waits for the worker
+        waited = time.monotonic() - start
+        # The worker ends when the all-reduce times out; no later than a few timeouts.
+        assert waited < 10 * _OP_TIMEOUT_S, waited
+    store.set(f"through/{rank}", "1")
+    store.wait([f"through/{r}" for r in range(world)], datetime.timedelta(seconds=60))
+
+
+@pytest.mark.parametrize("hosts", [False, True], ids=["shm", "hierarchical"])
+def test_dropping_a_backend_with_an_operation_in_flight_returns(hosts):
+    # The deadline turns a destructor that never returns into a failure.
+    run_ranks(_drop_in_flight, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
