@@ -13,7 +13,8 @@ import torch.distributed as dist
 import pycomm.shm
 from tests.support.multirank import run_ranks
 
-_OP_TIMEOUT_S = 1.0  # how long rank 0's all-reduce waits for rank 1, which never comes
+_OP_TIMEOUT_S = 1.0  # how long an operation waits for a rank that never comes
+_KINDS = pytest.mark.parametrize("hosts", [False, True], ids=["shm", "hierarchical"])
 
 
 def _backend(rank, world, hosts, prefix):
@@ -21,7 +22,22 @@ def _backend(rank, world, hosts, prefix):
         pycomm.shm.host_identity = lambda: f"host{rank}/boot"
     store = dist.PrefixStore(prefix, dist.distributed_c10d._get_default_store())
     timeout = datetime.timedelta(seconds=_OP_TIMEOUT_S)
-    return store, pycomm.shm.create_backend(store, rank, world, timeout)
+    backend = pycomm.shm.create_backend(store, rank, world, timeout)
+    assert isinstance(backend, pycomm._C.HierBackend if hosts else pycomm._C.ShmBackend)
+    return store, backend
+
+
+def _group_of(store, rank, world, backend):
+    """A ProcessGroup over `backend` alone, to issue operations through torch's dispatcher."""
+    group = dist.ProcessGroup(store, rank, world)
+    group._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, backend)
+    return group
+
+
+def _meet(store, world, name):
+    store.set(f"{name}/{dist.get_rank()}", "1")
+    store.wait([f"{name}/{r}" for r in range(world)], datetime.timedelta(seconds=60))
 
 
 def _wait_until_running(backend, hosts):
@@ -38,11 +54,8 @@ def _wait_until_running(backend, hosts):
 
 def _drop_in_flight(rank, world, hosts):
     store, backend = _backend(rank, world, hosts, "dropped/")
-    assert isinstance(backend, pycomm._C.HierBackend if hosts else pycomm._C.ShmBackend)
     if rank == 0:
-        group = dist.ProcessGroup(store, rank, world)
-        group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM,
-                                backend)
+        group = _group_of(store, rank, world, backend)
         # Run by the backend's worker, which holds the only reference to the tensor once
         # Python drops its own: releasing it there takes the GIL.
         group.allreduce([torch.ones(4)])
@@ -53,11 +66,10 @@ def _drop_in_flight(rank, world, hosts):
         waited = time.monotonic() - start
         # The worker ends when the all-reduce times out; no later than a few timeouts.
         assert waited < 10 * _OP_TIMEOUT_S, waited
-    store.set(f"through/{rank}", "1")
-    store.wait([f"through/{r}" for r in range(world)], datetime.timedelta(seconds=60))
+    _meet(store, world, "through")
 
 
-@pytest.mark.parametrize("hosts", [False, True], ids=["shm", "hierarchical"])
+@_KINDS
 def test_dropping_a_backend_with_an_operation_in_flight_returns(hosts):
     # The deadline turns a destructor that never returns into a failure.
     run_ranks(_drop_in_flight, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
