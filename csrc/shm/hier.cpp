@@ -55,6 +55,15 @@ HierBackend::HierBackend(int rank, int size, int host, std::vector<std::vector<i
 
 HierBackend::~HierBackend() { lane_->shutdown(); }
 
+#if PYCOMM_TORCH_AT_LEAST(2, 6)
+void HierBackend::shutdown() {
+  lane_->shutdown();  // first: its operations use the three groups
+  local_->shutdown();
+  cross_->shutdown();
+  flat_->shutdown();
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> HierBackend::allreduce(std::vector<at::Tensor>& tensors,
                                                       const c10d::AllreduceOptions& opts) {
   const at::Tensor& t = single("all_reduce", tensors);

@@ -92,6 +92,11 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
               c10::intrusive_ptr<ShmBackend> local, c10::intrusive_ptr<c10d::Backend> cross,
               c10::intrusive_ptr<c10d::Backend> flat);
   ~HierBackend() override;
+#if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
+  // Fail what is queued on the lane once its running operation ends, then shut the three
+  // groups down (destroy_process_group calls it).
+  void shutdown() override;
+#endif
 
   const std::string getBackendName() const override { return "pycomm"; }
 

@@ -1,5 +1,6 @@
-"""How a "pycomm" backend ends: dropped with an operation still running. Real ranks;
-the backends are made by pycomm.shm.create_backend as torch's creator call makes them."""
+"""How a "pycomm" backend ends: dropped with an operation still running, or shut down.
+Real ranks; the backends are made by pycomm.shm.create_backend as torch's creator call
+makes them."""
 
 from __future__ import annotations
 
@@ -73,3 +74,21 @@ def _drop_in_flight(rank, world, hosts):
 def test_dropping_a_backend_with_an_operation_in_flight_returns(hosts):
     # The deadline turns a destructor that never returns into a failure.
     run_ranks(_drop_in_flight, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
+
+
+def _shut_down(rank, world, hosts):
+    store, backend = _backend(rank, world, hosts, "shut/")
+    group = _group_of(store, rank, world, backend)
+    t = torch.ones(4)
+    group.allreduce([t]).wait()
+    assert torch.equal(t, torch.full((4,), float(world)))
+    group.shutdown()  # what destroy_process_group calls on every group
+    with pytest.raises(RuntimeError, match="has been shut down"):
+        group.allreduce([torch.ones(4)])
+    _meet(store, world, "through")
+
+
+@_KINDS
+def test_a_shut_down_backend_refuses_new_operations(hosts):
+    run_ranks(_shut_down, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
+
