@@ -20,6 +20,10 @@
 
 static_assert(PYCOMM_TORCH_AT_LEAST(2, 4), "pycomm needs torch >= 2.4");
 
+// What c10d::Backend offers a backend to override, by the torch release that brought it.
+// gather_single: the gather into one tensor.
+#define PYCOMM_C10D_GATHER_SINGLE PYCOMM_TORCH_AT_LEAST(2, 14)
+
 namespace pycomm::comm {
 
 using ProcessGroupPtr = c10::intrusive_ptr<c10d::ProcessGroup>;

@@ -96,6 +96,13 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override;
+#if PYCOMM_C10D_GATHER_SINGLE
+  // gather into one tensor (dist.gather_single): the root's `output` holds every rank's
+  // input, rank by rank; the ranks' bytes go straight into it (no list of per-rank tensors
+  // to concatenate). Other ranks pass an empty tensor.
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input,
+                                               const c10d::GatherOptions& opts) override;
+#endif
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override;

@@ -118,6 +118,35 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::gather(std::vector<std::vector<at::Te
       opts);
 }
 
+#if PYCOMM_C10D_GATHER_SINGLE
+c10::intrusive_ptr<c10d::Work> ShmBackend::gather_single(at::Tensor& output, at::Tensor& input,
+                                                         const c10d::GatherOptions& opts) {
+  constexpr const char* op = "gather_single";
+  check_dense(op, input);
+  const int root = static_cast<int>(opts.rootRank);
+  check_rank(op, "root", root, size_);
+  std::vector<at::Tensor> outs;  // the root's output; nothing elsewhere
+  if (rank_ == root) {
+    check_like(op, output, input, input.numel() * size_);
+    TORCH_CHECK_VALUE(output.is_contiguous(), "pycomm ", op, " (root ", root,
+                      "): the output tensor must be contiguous");
+    outs.push_back(output);
+  }
+  return enqueue(
+      op, c10d::OpType::GATHER, outs,
+      [this, input, outs, root](const OpContext& c) {
+        Dense in(input);
+        std::vector<char*> blocks;
+        for (const auto& out : outs) {  // the root: rank r's bytes at r x the input's
+          for (int r = 0; r < size_; ++r)
+            blocks.push_back(static_cast<char*>(out.data_ptr()) + r * in.bytes());
+        }
+        channel_->gather(in.data(), in.bytes(), blocks, root, c);
+      },
+      opts);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> ShmBackend::scatter(std::vector<at::Tensor>& outputs,
                                                    std::vector<std::vector<at::Tensor>>& inputs,
                                                    const c10d::ScatterOptions& opts) {

@@ -127,6 +127,24 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_allgather_base(at::Tensor& output, 
                  });
 }
 
+#if PYCOMM_C10D_GATHER_SINGLE
+c10::intrusive_ptr<c10d::Work> HierBackend::gather_single(at::Tensor& output, at::Tensor& input,
+                                                          const c10d::GatherOptions& opts) {
+  std::vector<std::vector<at::Tensor>> outputs;
+  if (rank_ == opts.rootRank) {
+    check_like("gather_single", output, input, input.numel() * size_);
+    TORCH_CHECK_VALUE(output.is_contiguous(), "pycomm gather_single (root ", opts.rootRank,
+                      "): the output tensor must be contiguous");
+    at::Tensor flat = output.reshape({-1});
+    outputs.emplace_back();
+    for (int r = 0; r < size_; ++r)
+      outputs[0].push_back(flat.narrow(0, r * input.numel(), input.numel()).view(input.sizes()));
+  }
+  std::vector<at::Tensor> inputs{input};
+  return flat_->gather(outputs, inputs, opts);
+}
+#endif
+
 c10::intrusive_ptr<c10d::Work> HierBackend::enqueue(const char* op, c10d::OpType type,
                                                     std::vector<at::Tensor> outputs,
                                                     std::function<void(uint64_t seq)> body) {

@@ -150,6 +150,11 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
                                         const c10d::GatherOptions& opts) override {
     return flat_->gather(outputs, inputs, opts);
   }
+#if PYCOMM_C10D_GATHER_SINGLE
+  // The flat group's gather, into views of the root's output.
+  c10::intrusive_ptr<c10d::Work> gather_single(at::Tensor& output, at::Tensor& input,
+                                               const c10d::GatherOptions& opts) override;
+#endif
   c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
                                          std::vector<std::vector<at::Tensor>>& inputs,
                                          const c10d::ScatterOptions& opts) override {

@@ -1,4 +1,5 @@
-"""gather, scatter and the list all_to_all of the "pycomm" backend, with Gloo as the oracle.
+"""gather (into a list and, on torch 2.15, into one tensor), scatter and the list all_to_all
+of the "pycomm" backend, with Gloo as the oracle.
 
 One spawned run per world size (2, 3, 4 ranks) groups every check: the default group is
 "pycomm" and a Gloo group over the same ranks computes the expected result of each call on
@@ -169,6 +170,36 @@ def _check_bad_arguments(rank, world):
                                 dist.AllToAllOptions()),
             "pycomm all_to_all", f"input tensor {world - 1} is Double")
     dist.barrier()  # the group is still usable
+
+
+def _gather_single(rank, world):
+    """dist.gather_single into one tensor, against Gloo's gather into a list (Gloo has no
+    gather into one tensor), stacked: the same bytes in the same order."""
+    gloo = dist.new_group(backend="gloo")
+    for dtype in DTYPES:
+        for numel in SIZES:
+            for root in range(world):
+                x = _maybe_strided(_data(rank, numel, dtype, salt=3 + root), root % 2 == 1)
+                want = ([torch.empty(numel, dtype=dtype) for _ in range(world)]
+                        if rank == root else None)
+                dist.gather(x.contiguous(), want, dst=root, group=gloo)
+                got = torch.full((world, numel), 9, dtype=dtype) if rank == root else None
+                dist.gather_single(x, got, dst=root)
+                if rank == root:
+                    assert torch.equal(got, torch.stack(want)), (dtype, numel, root)
+    x = torch.ones(4)
+    _raises(lambda: dist.gather_single(x, torch.empty(4 * world + 1), dst=rank),
+            "pycomm gather_single", f"of {4 * world} elements, got Float with {4 * world + 1}")
+    _raises(lambda: dist.gather_single(x, torch.empty(4, world).t(), dst=rank),
+            "pycomm gather_single", f"(root {rank})", "must be contiguous")
+    dist.barrier()  # the group is still usable
+
+
+@pytest.mark.skipif(not hasattr(dist, "gather_single"),
+                    reason="torch.distributed has no gather_single (torch 2.15 has)")
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_single_equals_gloo_gather(world_size):
+    run_ranks(_gather_single, world_size=world_size, backend="pycomm", deadline_s=120)
 
 
 def _collectives(rank, world_size):

@@ -102,6 +102,11 @@ def _hier_collectives(rank, world, per_host):
     out = [torch.empty(2) for _ in range(world)]
     dist.all_gather(out, torch.full((2,), float(rank)), group=group)
     assert [o[0].item() for o in out] == list(range(world))
+    if hasattr(dist, "gather_single"):  # torch 2.15: into one tensor, the flat gather
+        out = torch.full((world, 3), -1.0) if rank == 1 else None
+        dist.gather_single(torch.arange(3.0) + 10 * rank, out, dst=1, group=group)
+        if rank == 1:
+            assert torch.equal(out, torch.arange(3.0) + 10 * torch.arange(world)[:, None])
     dist.barrier(group=group)
     assert pycomm.shm.stats(group)["ops_on_caller_thread"] + \
         pycomm.shm.stats(group)["ops_on_worker_thread"] > 0  # its shared-memory part
