@@ -23,6 +23,10 @@ static_assert(PYCOMM_TORCH_AT_LEAST(2, 4), "pycomm needs torch >= 2.4");
 // What c10d::Backend offers a backend to override, by the torch release that brought it.
 // gather_single: the gather into one tensor.
 #define PYCOMM_C10D_GATHER_SINGLE PYCOMM_TORCH_AT_LEAST(2, 14)
+// registerAbortHook / unregisterAbortHook.
+#define PYCOMM_C10D_ABORT_HOOKS PYCOMM_TORCH_AT_LEAST(2, 14)
+// Completion hooks, and the queries supportsAbortHooks / supportsCompletionHooks.
+#define PYCOMM_C10D_COMPLETION_HOOKS PYCOMM_TORCH_AT_LEAST(2, 15)
 
 namespace pycomm::comm {
 

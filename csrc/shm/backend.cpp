@@ -165,6 +165,7 @@ void ShmBackend::fail(const std::string& what) {
     failure_ = what;
     failed_.store(true, std::memory_order_release);
   }
+  hooks_->aborting();
   const std::string dir = flight_record_dir();
   if (dir.empty()) return;
   try {

@@ -18,6 +18,7 @@
 #include "comm/c10d.h"
 #include "shm/collectives.h"
 #include "shm/flight.h"
+#include "shm/hooks.h"
 #include "shm/work.h"
 
 namespace pycomm::shm {
@@ -147,6 +148,16 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
 #if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
   void shutdown() override { stop(); }
 #endif
+#if PYCOMM_C10D_ABORT_HOOKS
+  // Run at the group's first failure (ShmBackend::fail), before its flight record is written.
+  void registerAbortHook(int64_t id, c10d::AbortHook hook) override {
+    hooks_->add_abort(id, std::move(hook));
+  }
+  void unregisterAbortHook(int64_t id) override { hooks_->remove_abort(id); }
+#endif
+#if PYCOMM_C10D_COMPLETION_HOOKS
+  bool supportsAbortHooks() const override { return true; }
+#endif
 
  private:
   using Body = std::function<void(const OpContext&)>;
@@ -187,6 +198,7 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
                                              const c10d::AllgatherOptions& opts);
 
   std::string name_;  // the segment's
+  std::shared_ptr<BackendHooks> hooks_ = std::make_shared<BackendHooks>();
   FlightRecorder flight_{kFlightEntries};
   std::unique_ptr<Channel> channel_;
   std::chrono::milliseconds timeout_;

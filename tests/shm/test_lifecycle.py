@@ -1,6 +1,7 @@
-"""How a "pycomm" backend ends: dropped with an operation still running, or shut down.
-Real ranks; the backends are made by pycomm.shm.create_backend as torch's creator call
-makes them."""
+"""How a "pycomm" backend ends and what it tells torch on the way: dropped with an
+operation still running, shut down, its abort hooks at the group's first failure (torch
+2.15's hook API, Hooks.hpp). Real ranks; the backends are made by
+pycomm.shm.create_backend as torch's creator call makes them."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from tests.support.multirank import run_ranks
 
 _OP_TIMEOUT_S = 1.0  # how long an operation waits for a rank that never comes
 _KINDS = pytest.mark.parametrize("hosts", [False, True], ids=["shm", "hierarchical"])
+_HOOK_API = hasattr(dist.ProcessGroup, "supports_abort_hooks")  # torch 2.15
+_no_hook_api = pytest.mark.skipif(not _HOOK_API, reason="this torch's c10d has no "
+                                  "supportsAbortHooks / completion hooks (torch 2.15 has)")
 
 
 def _backend(rank, world, hosts, prefix):
@@ -91,4 +95,33 @@ def _shut_down(rank, world, hosts):
 @_KINDS
 def test_a_shut_down_backend_refuses_new_operations(hosts):
     run_ranks(_shut_down, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
+
+
+def _abort_hooks(rank, world, hosts):
+    store, backend = _backend(rank, world, hosts, "abort/")
+    group = _group_of(store, rank, world, backend)
+    if hosts:  # the hierarchical group has none: torch's own refusal, not a crash
+        assert not group.supports_abort_hooks
+        with pytest.raises(RuntimeError, match="does not support registerAbortHook"):
+            group.register_abort_hook(1, lambda: None)
+    elif rank == 0:
+        assert group.supports_abort_hooks
+        ran = []
+        group.register_abort_hook(101, lambda: ran.append("kept"))
+        group.register_abort_hook(102, lambda: ran.append("removed"))
+        group.unregister_abort_hook(102)
+        group.unregister_abort_hook(103)  # never registered: nothing to do
+        with pytest.raises(dist.DistBackendError, match="Timed out"):
+            group.allreduce([torch.ones(2)]).wait()  # rank 1 never comes
+        assert ran == ["kept"]
+        with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
+            group.allreduce([torch.ones(2)]).wait()
+        assert ran == ["kept"]  # at the group's first failure only
+    _meet(store, world, "through")
+
+
+@_no_hook_api
+@_KINDS
+def test_abort_hooks_run_at_the_first_failure(hosts):
+    run_ranks(_abort_hooks, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
 
