@@ -102,6 +102,9 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(
                                                 : outputs.front().scalar_type();
   auto work = c10::make_intrusive<ShmWork>(rank_, type, std::move(outputs), lane);
   if (source != nullptr) work->set_source_cell(std::move(source));
+#if PYCOMM_C10D_COMPLETION_HOOKS
+  if (hooks_->any_completion()) work->set_hooks(hooks_);
+#endif
   uint64_t seq = next_seq_++;
   if (type != c10d::OpType::SEND && type != c10d::OpType::RECV &&
       type != c10d::OpType::RECVANYSOURCE) {

@@ -157,6 +157,13 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
 #endif
 #if PYCOMM_C10D_COMPLETION_HOOKS
   bool supportsAbortHooks() const override { return true; }
+  // Run as each operation issued through torch completes successfully, by the thread that
+  // ran it (ShmWork::complete).
+  bool supportsCompletionHooks() const override { return true; }
+  void registerCompletionHook(int64_t id, c10d::CompletionHook hook) override {
+    hooks_->add_completion(id, std::move(hook));
+  }
+  void unregisterCompletionHook(int64_t id) override { hooks_->remove_completion(id); }
 #endif
 
  private:

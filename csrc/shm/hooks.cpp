@@ -41,4 +41,30 @@ void BackendHooks::aborting() const {
   for (const auto& [id, hook] : hooks) run_hook("abort", id, hook);
 }
 
+#if PYCOMM_C10D_COMPLETION_HOOKS
+void BackendHooks::add_completion(int64_t id, c10d::CompletionHook hook) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  completion_[id] = std::move(hook);
+  any_completion_.store(true, std::memory_order_release);
+}
+
+void BackendHooks::remove_completion(int64_t id) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  completion_.erase(id);
+  any_completion_.store(!completion_.empty(), std::memory_order_release);
+}
+
+void BackendHooks::completed(uint64_t key) const {
+  std::map<int64_t, c10d::CompletionHook> hooks;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    hooks = completion_;
+  }
+  // No duration: the backend does not time its operations for torch (its flight record
+  // has the times).
+  const c10d::CompletionHookArgs args{key, std::nullopt};
+  for (const auto& [id, hook] : hooks) run_hook("completion", id, hook, args);
+}
+#endif
+
 }  // namespace pycomm::shm

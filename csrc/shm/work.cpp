@@ -77,6 +77,9 @@ void ShmWork::complete(std::exception_ptr error) {
   // The future first: once wait() returns, the future's callbacks have run.
   if (future) settle(*future, outputs_, error);
   finish(error);
+#if PYCOMM_C10D_COMPLETION_HOOKS
+  if (hooks_ && !error) hooks_->completed(getCompletionKey());
+#endif
 }
 
 Executor::Executor() : thread_([this] { loop(); }) {}

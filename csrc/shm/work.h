@@ -26,6 +26,9 @@
 #include <thread>
 #include <vector>
 
+#include "comm/c10d.h"
+#include "shm/hooks.h"
+
 namespace pycomm::shm {
 
 class Executor;
@@ -49,6 +52,11 @@ class ShmWork : public c10d::Work {
 
   // Called once, by whichever thread ran the operation.
   void complete(std::exception_ptr error);
+#if PYCOMM_C10D_COMPLETION_HOOKS
+  // Report a successful completion to `hooks` once the Work reads completed (torch's
+  // flight recorder asks isCompleted() when the hook has not come yet). Before it is queued.
+  void set_hooks(std::shared_ptr<const BackendHooks> hooks) { hooks_ = std::move(hooks); }
+#endif
 
  private:
   static void settle(c10::ivalue::Future& future, const std::vector<at::Tensor>& outputs,
@@ -57,6 +65,9 @@ class ShmWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::shared_ptr<Executor> executor_;
   std::shared_ptr<std::atomic<int>> source_;
+#if PYCOMM_C10D_COMPLETION_HOOKS
+  std::shared_ptr<const BackendHooks> hooks_;
+#endif
   std::mutex future_mutex_;  // guards the three below
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   bool done_ = false;

@@ -1,11 +1,13 @@
 """How a "pycomm" backend ends and what it tells torch on the way: dropped with an
-operation still running, shut down, its abort hooks at the group's first failure (torch
-2.15's hook API, Hooks.hpp). Real ranks; the backends are made by
+operation still running, shut down, its abort hooks at the group's first failure and its
+completion hooks (torch 2.15's hook API, Hooks.hpp). Real ranks; the backends are made by
 pycomm.shm.create_backend as torch's creator call makes them."""
 
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import time
 
 import pytest
@@ -125,3 +127,25 @@ def _abort_hooks(rank, world, hosts):
 def test_abort_hooks_run_at_the_first_failure(hosts):
     run_ranks(_abort_hooks, world_size=2, backend="gloo", deadline_s=60, hosts=hosts)
 
+
+def _completions(rank, world):
+    from torch._C._distributed_c10d import _dump_fr_trace_json
+
+    group = dist.new_group(backend="pycomm")
+    assert group._get_backend(torch.device("cpu")).supports_completion_hooks
+    t = torch.ones(8)
+    dist.all_reduce(t, group=group)  # blocking: run on this thread
+    dist.all_reduce(t, group=group, async_op=True).wait()  # on the worker, or by wait()
+    dist.broadcast(t, src=0, group=group, async_op=True).get_future().wait()
+    dist.barrier(group=group)
+    trace = json.loads(_dump_fr_trace_json(includeCollectives=True, backend="pycomm"))
+    states = [e["state"] for e in trace["entries"] if e["process_group"][0] == group.group_name]
+    # Without completion hooks torch retires each entry when it is issued: "scheduled".
+    assert states == ["completed"] * 4, states
+
+
+@_no_hook_api
+@pytest.mark.skipif(os.environ.get("TORCH_FR_BUFFER_SIZE") == "0",
+                    reason="torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0)")
+def test_torch_flight_recorder_sees_operations_complete():
+    run_ranks(_completions, world_size=2, backend="gloo")
