@@ -22,6 +22,8 @@ from collections.abc import Iterable
 from typing import Optional, Union
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from . import _C, ops, registry
 
@@ -30,8 +32,9 @@ _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
 @torch.no_grad()
 def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False,
-                    foreach: Optional[bool] = None) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, foreach: Optional[bool] = None, *,
+                    pp_mesh: Optional[Union[DeviceMesh, dist.ProcessGroup]] = None
+                    ) -> torch.Tensor:
     """Clip the gradient norm of an iterable of parameters, in place.
 
     Same contract as :func:`torch.nn.utils.clip_grad_norm_`: the norm is taken over all
@@ -49,6 +52,15 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
     handled (dense layouts in place, strided views through a copy for the norm and torch's
     ``mul_`` for the scale). Under torch.compile, or for gradient tensors rather than
     parameters, use :func:`pycomm.ops.clip_grad_norm_`.
+
+    DTensor gradients (FSDP2's ``fully_shard``, ``replicate``, HSDP and tensor-parallel
+    meshes, parameters on several meshes) take one fused pass over this rank's local
+    tensors and one all-reduce per mesh dimension they are sharded on (See Note [Clipping
+    sharded gradients] in pycomm/fsdp/clip.py); the norm is returned as torch returns it, a
+    DTensor replicated on their mesh (a plain tensor when they span several meshes, which
+    torch's clip refuses). ``pp_mesh`` (a 1-D DeviceMesh or a ProcessGroup over the
+    pipeline stages, whose ranks hold different parameters; not an argument of torch's
+    clip) adds the stages' norms, so every stage clips by the whole model's norm.
     """
     del foreach  # one fused path serves both of torch's code paths
     if isinstance(parameters, torch.Tensor):
@@ -59,15 +71,34 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
         if is_generator and not parameters:
             warnings.warn("`parameters` is an empty generator, no gradient clipping will occur.",
                           stacklevel=3)
+    if pp_mesh is not None:
+        return _clip_sharded(parameters, max_norm, norm_type, error_if_nonfinite, pp_mesh)
     ddp = registry.ddp_of(parameters[0]) if parameters else None
     sharder = None if ddp is None else ddp.sharder
     if sharder is not None and sharder.grads_in_shards and sharder.covers(parameters):
         return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, parameters)
     # Reads every .grad in C++: plain CPU gradients are clipped right there, anything else
     # by the pycomm::clip_grad_norm_ composite, unboxed. See csrc/grad/clip_bind.cpp for
-    # why this is not a torch.ops call.
-    return _C._clip_grad_norm_(parameters, float(max_norm), float(norm_type),
-                               bool(error_if_nonfinite))
+    # why this is not a torch.ops call. None: a gradient is a tensor subclass.
+    total = _C._clip_grad_norm_(parameters, float(max_norm), float(norm_type),
+                                bool(error_if_nonfinite))
+    if total is not None:
+        return total
+    return _clip_sharded(parameters, max_norm, norm_type, error_if_nonfinite, None)
+
+
+def _clip_sharded(parameters: list[torch.Tensor], max_norm: float, norm_type: float,
+                  error_if_nonfinite: bool,
+                  pp_mesh: Optional[Union[DeviceMesh, dist.ProcessGroup]]) -> torch.Tensor:
+    """DTensor gradients, or any gradients clipped across pipeline stages: pycomm/fsdp/clip.py.
+    Other tensor subclasses go to the pycomm::clip_grad_norm_ op, whose dispatch decides."""
+    from .fsdp.clip import DTensor, clip_dtensor_grads_
+
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if pp_mesh is None and not any(isinstance(g, DTensor) for g in grads):
+        return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+    return clip_dtensor_grads_(parameters, grads, max_norm, norm_type, error_if_nonfinite,
+                               pp_mesh)
 
 
 def clip_from_partial(grads: list[torch.Tensor], partial: torch.Tensor, max_norm: float,

@@ -159,14 +159,18 @@ std::optional<at::Tensor> clip_params_cuda(const pybind11::list& parameters, dou
   return cuda->clip(l, *device, max_norm, norm_type, norm_dtype);
 }
 
-at::Tensor clip_parameters_(const pybind11::list& parameters, double max_norm, double norm_type,
-                            bool error_if_nonfinite) {
+// nullopt: a gradient is a Python tensor subclass (a DTensor, say), which pycomm.clip_grad_norm_
+// takes in Python (pycomm/fsdp/clip.py), so that the common case never pays for looking.
+std::optional<at::Tensor> clip_parameters_(const pybind11::list& parameters, double max_norm,
+                                           double norm_type, bool error_if_nonfinite) {
   if (auto total = clip_params_cpu(parameters, max_norm, norm_type, error_if_nonfinite))
-    return *std::move(total);
+    return total;
   if (auto total = clip_params_cuda(parameters, max_norm, norm_type, error_if_nonfinite))
-    return *std::move(total);
+    return total;
   std::vector<at::Tensor> grads = read_grads(parameters);
   if (grads.empty()) return at::scalar_tensor(0.0);  // torch.tensor(0.0), as torch returns
+  for (const at::Tensor& g : grads)
+    if (g.unsafeGetTensorImpl()->is_python_dispatch()) return std::nullopt;
   pybind11::gil_scoped_release no_gil;
   return clip_grad_norm_impl(grads, max_norm, norm_type, error_if_nonfinite);
 }
@@ -179,7 +183,8 @@ void bind_clip(pybind11::module& m) {
   m.def("_clip_grad_norm_", &clip_parameters_, pybind11::arg("parameters"),
         pybind11::arg("max_norm"), pybind11::arg("norm_type") = 2.0,
         pybind11::arg("error_if_nonfinite") = false,
-        "pycomm.clip_grad_norm_ on a list of parameters (reads .grad in C++).");
+        "pycomm.clip_grad_norm_ on a list of parameters (reads .grad in C++); None when a "
+        "gradient is a Python tensor subclass (e.g. a DTensor), which it leaves untouched.");
   m.def(
       "_tile_plans",
       []() -> std::optional<std::pair<int64_t, int64_t>> {
