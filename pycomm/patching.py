@@ -43,12 +43,20 @@ _EARLY_BINDERS = ("lightning.pytorch.strategies.ddp", "lightning.fabric.strategi
 
 
 def _fused_handles(grads: list[torch.Tensor], norm_type: float) -> bool:
-    """Whether pycomm's fused clip takes these gradients: dense floating-point tensors (not
-    a subclass such as DTensor) on CPU or CUDA, and an order > 0 (torch also takes 0 and
-    negative orders)."""
-    return norm_type > 0 and all(
-        type(g) is torch.Tensor and g.layout == torch.strided and g.is_floating_point()
-        and g.device.type in ("cpu", "cuda") for g in grads)
+    """Whether pycomm's fused clip takes these gradients: dense floating-point tensors on
+    CPU or CUDA, all plain or all DTensors (FSDP2, replicate: pycomm/fsdp/clip.py; no other
+    subclass), and an order > 0 (torch also takes 0 and negative orders)."""
+    if not norm_type > 0:
+        return False
+    if not grads or type(grads[0]) is torch.Tensor:
+        return all(type(g) is torch.Tensor and _plain_dense(g) for g in grads)
+    from torch.distributed.tensor import DTensor
+    return all(type(g) is DTensor and _plain_dense(g._local_tensor) for g in grads)
+
+
+def _plain_dense(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and t.is_floating_point() and t.device.type in ("cpu",
+                                                                                     "cuda")
 
 
 def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
@@ -98,7 +106,8 @@ def _warn_early_binders() -> None:
 def patch(clip_grad_norm: bool = True) -> Patch:
     """Point torch.nn.parallel(.distributed).DistributedDataParallel at pycomm's class and,
     with clip_grad_norm, torch.nn.utils(.clip_grad).clip_grad_norm_ at pycomm's fused clip
-    (torch's still serves DTensor, sparse and other gradients it does not take). Returns a
+    (plain and DTensor gradients; torch's still serves sparse gradients, other subclasses
+    and orders <= 0). Returns a
     Patch: `p.undo()`, or `with pycomm.patch(): ...`. torch's originals stay reachable as
     pycomm.patching.TORCH_DDP and TORCH_CLIP_GRAD_NORM_."""
     names = [(m, n, DistributedDataParallel) for m, n in _DDP_NAMES]

@@ -92,7 +92,7 @@ def _clip_dtensor_grads(rank, world_size):
         total = torch.nn.utils.clip_grad_norm_(sharded, 1.0)
         with pytest.warns(UserWarning, match="empty generator"):
             torch.nn.utils.clip_grad_norm_((p for p in ()), 1.0)
-    # The norm of the whole (not this rank's shard), from torch's own DTensor-aware clip.
+    # The norm of the whole (not this rank's shard), as torch's clip gives it on the whole.
     whole = [torch.nn.Parameter(torch.zeros_like(g)) for g in full]
     for p, g in zip(whole, full):
         p.grad = g.clone()
@@ -100,7 +100,7 @@ def _clip_dtensor_grads(rank, world_size):
     torch.testing.assert_close(total.full_tensor(), expected)
 
 
-def test_patched_clip_grad_norm_hands_dtensors_to_torch():
+def test_patched_clip_grad_norm_clips_dtensors_by_the_whole_norm():
     run_ranks(_clip_dtensor_grads)
 
 
