@@ -19,7 +19,8 @@ void allreduce_(const comm::ProcessGroupPtr& pg, at::Tensor tensor, const std::s
   work->wait();
 }
 
-void bind_clip(pybind11::module& m);  // csrc/grad/clip_bind.cpp
+void bind_clip(pybind11::module& m);          // csrc/grad/clip_bind.cpp
+void bind_sharded_clip(pybind11::module& m);  // csrc/grad/sharded_clip_bind.cpp
 
 }  // namespace pycomm
 
@@ -39,6 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "in csrc/comm/shard_split.h).");
   pycomm::bind_reducer(m);
   pycomm::bind_clip(m);
+  pycomm::bind_sharded_clip(m);
   pycomm::bind_shm(m);
   m.attr("cuda") = pybind11::bool_(
 #ifdef PYCOMM_WITH_CUDA

@@ -90,15 +90,11 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
 def _clip_sharded(parameters: list[torch.Tensor], max_norm: float, norm_type: float,
                   error_if_nonfinite: bool,
                   pp_mesh: Optional[Union[DeviceMesh, dist.ProcessGroup]]) -> torch.Tensor:
-    """DTensor gradients, or any gradients clipped across pipeline stages: pycomm/fsdp/clip.py.
-    Other tensor subclasses go to the pycomm::clip_grad_norm_ op, whose dispatch decides."""
-    from .fsdp.clip import DTensor, clip_dtensor_grads_
+    """DTensor gradients, or any gradients clipped across pipeline stages: pycomm/fsdp/clip.py
+    (which hands other tensor subclasses to the pycomm::clip_grad_norm_ op)."""
+    from .fsdp.clip import clip_dtensor_grads_
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if pp_mesh is None and not any(isinstance(g, DTensor) for g in grads):
-        return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
-    return clip_dtensor_grads_(parameters, grads, max_norm, norm_type, error_if_nonfinite,
-                               pp_mesh)
+    return clip_dtensor_grads_(parameters, max_norm, norm_type, error_if_nonfinite, pp_mesh)
 
 
 def clip_from_partial(grads: list[torch.Tensor], partial: torch.Tensor, max_norm: float,

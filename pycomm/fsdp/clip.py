@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from .. import ops
+from .. import _C, ops
 
 # Specs remembered at most; past it the memo starts over (only a model whose gradients get
 # a fresh spec every step, e.g. some tensor-parallel plans, ever fills it).
@@ -66,30 +66,37 @@ class _Slot:
 
 
 class _Memo:
-    """Spec -> _Slot, keyed by the spec object (kept alive with its slot, so an id is never
-    reused while remembered)."""
+    """Spec -> _Slot, keyed by the spec object's identity (the spec is kept alive with its
+    slot, so an id is never reused while remembered). `index` is what the C++ walk reads:
+    {id(spec): slot number}, negative for a slot only the Python walk takes (Partial)."""
 
     def __init__(self) -> None:
-        self.slots: dict[int, tuple[Any, _Slot]] = {}
-        self.interned: dict[tuple[DeviceMesh, tuple[int, ...], tuple[int, ...]], _Slot] = {}
+        self.specs: dict[int, Any] = {}
+        self.index: dict[int, int] = {}
+        self.slots: list[_Slot] = []
+        self.interned: dict[tuple[DeviceMesh, tuple[int, ...], tuple[int, ...]], int] = {}
         self.built = 0  # specs looked at: stays at the number of distinct specs when cached
 
     def slot(self, spec: Any) -> _Slot:
-        hit = self.slots.get(id(spec))
-        if hit is not None and hit[0] is spec:
-            return hit[1]
-        if len(self.slots) >= _MEMO_LIMIT:
-            self.slots.clear()
-            self.interned.clear()
+        n = self.index.get(id(spec))
+        if n is None or self.specs[id(spec)] is not spec:
+            n = self.learn(spec)
+        return self.slots[abs(n) - 1 if n < 0 else n]
+
+    def learn(self, spec: Any) -> int:
+        if len(self.specs) >= _MEMO_LIMIT:
+            self.__init__()
         placements = spec.placements
         key = (spec.mesh, tuple(d for d, p in enumerate(placements) if p.is_shard()),
                tuple(d for d, p in enumerate(placements) if p.is_partial()))
-        slot = self.interned.get(key)
-        if slot is None:
-            self.interned[key] = slot = _Slot(*key)
-        self.slots[id(spec)] = (spec, slot)
+        n = self.interned.get(key)
+        if n is None:
+            self.interned[key] = n = len(self.slots)
+            self.slots.append(_Slot(*key))
+        self.specs[id(spec)] = spec
+        self.index[id(spec)] = -(n + 1) if key[2] else n
         self.built += 1
-        return slot
+        return self.index[id(spec)]
 
 
 _memo = _Memo()
@@ -100,7 +107,7 @@ _PLAIN = _Slot(None, (), ())  # type: ignore[arg-type]
 
 def plan_stats() -> dict[str, int]:
     """How many DTensor specs the clip has decided a slot for, and how many it remembers."""
-    return {"built": _memo.built, "cached": len(_memo.slots)}
+    return {"built": _memo.built, "cached": len(_memo.specs)}
 
 
 def _local_for_norm(g: DTensor, slot: _Slot) -> torch.Tensor:
@@ -113,13 +120,14 @@ def _local_for_norm(g: DTensor, slot: _Slot) -> torch.Tensor:
     return g.redistribute(g.device_mesh, placements)._local_tensor
 
 
-def _row(partial: torch.Tensor, inf: bool) -> torch.Tensor:
-    """A norm partial [acc, nonfinite] as the float64 row the all-reduces carry."""
-    row = partial.to(torch.float64)
+def _rows(partials: torch.Tensor, inf: bool) -> torch.Tensor:
+    """Norm partials [k, 2] ([acc, nonfinite] each) as the float64 rows the all-reduces
+    carry: for the inf norm [acc with nan read as inf, whether acc was nan]."""
+    rows = partials.to(torch.float64)
     if inf:
-        nan = torch.isnan(row[:1])
-        row = torch.cat([row[:1].masked_fill(nan, math.inf), nan.to(torch.float64)])
-    return row
+        nan = torch.isnan(rows[:, :1])
+        rows = torch.cat([rows[:, :1].masked_fill(nan, math.inf), nan.to(torch.float64)], 1)
+    return rows
 
 
 def _merge(rows: torch.Tensor, inf: bool) -> torch.Tensor:
@@ -139,15 +147,15 @@ def _as_group(pp_mesh: Union[DeviceMesh, dist.ProcessGroup]) -> dist.ProcessGrou
                     f"got {type(pp_mesh).__name__}")
 
 
-def clip_dtensor_grads_(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
-                        max_norm: float, norm_type: float, error_if_nonfinite: bool,
+def clip_dtensor_grads_(params: list[torch.Tensor], max_norm: float, norm_type: float,
+                        error_if_nonfinite: bool,
                         pp_mesh: Optional[Union[DeviceMesh, dist.ProcessGroup]] = None
                         ) -> torch.Tensor:
-    """Clip DTensor gradients in place (See Note [Clipping sharded gradients]); the total
-    norm, a DTensor replicated on the gradients' mesh when there is one mesh and no
-    `pp_mesh` (as torch's clip returns it), else a plain tensor. `grads` are the gradients
-    of `params` that have one, in order: all DTensors, or (with `pp_mesh`) all plain
-    tensors, each rank's whole copy."""
+    """Clip the gradients of `params` in place (See Note [Clipping sharded gradients]); the
+    total norm, a DTensor replicated on the gradients' mesh when there is one mesh and no
+    `pp_mesh` (as torch's clip returns it), else a plain tensor. The gradients are all
+    DTensors, or (with `pp_mesh`) all plain tensors, each rank's whole copy; without
+    `pp_mesh`, gradients of another tensor subclass go to the pycomm::clip_grad_norm_ op."""
     norm_type = float(norm_type)
     if not norm_type > 0:
         # the C++ path's error (csrc/grad/grad_math.h norm_kind), for either path
@@ -155,53 +163,22 @@ def clip_dtensor_grads_(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
                            f"{norm_type} (pycomm implements the p-norms torch users clip "
                            f"with: p > 0 and inf)")
     inf = math.isinf(norm_type)
-    # 1. group the local tensors: per mesh, per set of sharded dimensions
-    groups: dict[_Slot, list[torch.Tensor]] = {}
-    scaled: list[torch.Tensor] = []
-    norm_dtype: Optional[torch.dtype] = None
-    slot_of = _memo.slot
-    for g in grads:
-        if isinstance(g, DTensor):
-            slot = slot_of(g._spec)
-            local = g._local_tensor
-        else:
-            slot, local = _PLAIN, g
-        scaled.append(local)
-        members = groups.get(slot)
-        if members is None:
-            groups[slot] = members = []
-        members.append(_local_for_norm(g, slot) if slot.partial_dims else local)
-        if local.dtype != norm_dtype:  # torch's total norm: the promotion of the dtypes
-            norm_dtype = local.dtype if norm_dtype is None else torch.promote_types(
-                norm_dtype, local.dtype)
-    if _PLAIN in groups and len(groups) > 1:
-        index = next(i for i, p in enumerate(params)
-                     if p.grad is not None and not isinstance(p.grad, DTensor))
-        raise TypeError(
-            f"pycomm.clip_grad_norm_: parameters[{index}] has a plain "
-            f"{type(params[index].grad).__name__} gradient among DTensor ones; it is unknown "
-            f"whether its ranks hold copies or pieces of it. Clip it separately, or make it a "
-            f"DTensor (e.g. fully_shard or replicate the module that owns it)")
-    # 2-3. a row per group, the all-reduces per mesh dimension
     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
-    if not grads:  # a stage without gradients still takes its part in pp_mesh's all-reduce
-        if pp_mesh is None:
-            return torch.tensor(0.0)
-        group = _as_group(pp_mesh)
-        device = torch.device("cuda", torch.cuda.current_device()) \
-            if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        scaled, norm_dtype = [], torch.float32
-        groups[_PLAIN] = []
-    else:
-        device = scaled[0].device
+    # 1-2. each slot's norm partial (the plan's slots: a mesh and its sharded dimensions)
+    walked = _walk_in_cpp(params, norm_type)
+    if walked is None:
+        grads = [g for g in (p.grad for p in params) if g is not None]
+        if pp_mesh is None and not any(isinstance(g, DTensor) for g in grads):
+            return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
+        walked = _walk_in_python(params, grads, norm_type, pp_mesh)
+    partials, norm_dtype, scale = walked
+    device = next(iter(partials.values())).device
     meshes: dict[DeviceMesh, list[_Slot]] = {}
-    for slot in groups:
+    for slot in partials:
         meshes.setdefault(slot.mesh, []).append(slot)
     merged = []
     for mesh, slots in meshes.items():
-        rows = torch.stack([_row(ops.norm_partial(groups[s], norm_type).to(device), inf)
-                            if groups[s] else torch.zeros(2, dtype=torch.float64, device=device)
-                            for s in slots])
+        rows = _rows(torch.stack([partials[s].to(device) for s in slots]), inf)
         for dim in range(0 if mesh is None else mesh.ndim):
             on = [i for i, s in enumerate(slots) if dim in s.dims]
             if not on:
@@ -228,12 +205,68 @@ def clip_dtensor_grads_(params: Sequence[torch.Tensor], grads: Sequence[torch.Te
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    if scaled:
-        _scale(scaled, coef)
-    if len(meshes) == 1 and pp_mesh is None and _PLAIN not in groups:
+    scale(coef)
+    if len(meshes) == 1 and pp_mesh is None and _PLAIN not in partials:
         (mesh,) = meshes
         return DTensor.from_local(total, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return total
+
+
+def _walk_in_cpp(params: list[torch.Tensor], norm_type: float):
+    """Step 1-2 by pycomm._C._sharded_grads (csrc/grad/sharded_clip_bind.cpp): every gradient
+    a DTensor with a plain CPU local tensor and no Partial placement. None: the Python walk."""
+    walked = _C._sharded_grads(params, _memo.index, len(_memo.slots))
+    while isinstance(walked, list):  # specs not seen before: decide their slots, walk again
+        for spec in walked:
+            _memo.slot(spec)
+        walked = _C._sharded_grads(params, _memo.index, len(_memo.slots))
+    if walked is None or walked.empty():
+        return None
+    rows = walked.partials(norm_type)
+    partials = {_memo.slots[n]: rows[n] for n in walked.present()}
+    return partials, walked.norm_dtype, walked.scale
+
+
+def _walk_in_python(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
+                    norm_type: float, pp_mesh):
+    """Step 1-2 for any gradients (CUDA local tensors, Partial placements, plain tensors
+    across pipeline stages): the local tensors grouped by slot, ops.norm_partial per slot."""
+    groups: dict[_Slot, list[torch.Tensor]] = {}
+    scaled: list[torch.Tensor] = []
+    norm_dtype: Optional[torch.dtype] = None
+    slot_of = _memo.slot
+    for g in grads:
+        if isinstance(g, DTensor):
+            slot = slot_of(g._spec)
+            local = g._local_tensor
+        else:
+            slot, local = _PLAIN, g
+        scaled.append(local)
+        members = groups.get(slot)
+        if members is None:
+            groups[slot] = members = []
+        members.append(_local_for_norm(g, slot) if slot.partial_dims else local)
+        if local.dtype != norm_dtype:  # torch's total norm: the promotion of the dtypes
+            norm_dtype = local.dtype if norm_dtype is None else torch.promote_types(
+                norm_dtype, local.dtype)
+    if _PLAIN in groups and len(groups) > 1:
+        index = next(i for i, p in enumerate(params)
+                     if p.grad is not None and not isinstance(p.grad, DTensor))
+        raise TypeError(
+            f"pycomm.clip_grad_norm_: parameters[{index}] has a plain "
+            f"{type(params[index].grad).__name__} gradient among DTensor ones; it is unknown "
+            f"whether its ranks hold copies or pieces of it. Clip it separately, or make it a "
+            f"DTensor (e.g. fully_shard or replicate the module that owns it)")
+    if not grads:  # a stage without gradients still takes its part in pp_mesh's all-reduce
+        group = _as_group(pp_mesh)
+        device = torch.device("cuda", torch.cuda.current_device()) \
+            if dist.get_backend(group) == "nccl" else torch.device("cpu")
+        return {_PLAIN: torch.zeros(2, dtype=torch.float64, device=device)}, torch.float32, \
+            lambda coef: None
+    partials = {slot: ops.norm_partial(members, norm_type) if members else
+                torch.zeros(2, dtype=torch.float64, device=scaled[0].device)
+                for slot, members in groups.items()}
+    return partials, norm_dtype, lambda coef: _scale(scaled, coef)
 
 
 def _scale(tensors: list[torch.Tensor], coef: torch.Tensor) -> None:
