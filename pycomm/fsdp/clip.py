@@ -9,23 +9,26 @@ dimension; along one on which it is Replicate-d they hold copies, which count on
 total norm needs one fused pass over this rank's local tensors and, per mesh, one
 all-reduce per mesh dimension some gradient is sharded on: none for `replicate`, one for
 FSDP2 on a 1-D mesh, one for HSDP (the shard dimension only). torch's clip instead
-dispatches a norm per DTensor, and then per-gradient DTensor ops: 72 ms for 50 parameters
-and 8.3 s for 2,000 on 2 Gloo ranks (issue 53), growing faster than linearly.
+dispatches DTensor ops per gradient: its first call in a process propagates shardings for
+every gradient (seconds at 2,000 parameters, growing faster than linearly), later calls
+still cost tens of microseconds per gradient (benchmarks/results/fsdp2_clip_cpu.md).
 
-The plan (what each gradient contributes where) is decided per DTensorSpec: gradients
-sharing a spec object (FSDP2 and replicate hand each parameter's gradient the same spec
-every step) share one lookup, so after the first step a call reads each gradient's spec
-and local tensor and nothing else in Python. Per step:
-1. the local tensors are grouped by (mesh, the dimensions they are sharded on);
-2. one ops.norm_partial per group (a fused C++ pass, float64 accumulation), its result
-   widened to a float64 row [acc, flag];
-3. per mesh, for each of its dimensions in order, one all-reduce of the rows of the groups
-   sharded on it (SUM, or MAX for the inf norm); a group sharded on two dimensions is
+The plan (what each gradient contributes where) is decided per DTensorSpec, by the spec
+object's identity: FSDP2 and replicate hand each parameter's gradient the same spec every
+step, so only the first step looks at placements. Per step:
+1. the local tensors are grouped by slot: (mesh, the dimensions they are sharded on);
+2. each slot's norm partial in one fused pass, float64, as a row [acc, flag];
+   1-2 run in one C++ call (pycomm._C._sharded_grads: the .grad, spec and local tensor
+   reads, the slot lookup, the span lists, the passes) when every local tensor is a plain
+   CPU one; else in Python, with ops.norm_partial per slot (CUDA local tensors, Partial
+   placements, plain tensors across pipeline stages);
+3. per mesh, for each of its dimensions in order, one all-reduce of the rows of the slots
+   sharded on it (SUM, or MAX for the inf norm); a slot sharded on two dimensions is
    summed over both, one after the other;
-4. the groups' rows merge (+, or max), across meshes too, then across `pp_mesh` (the
-   pipeline stages, whose ranks hold different parameters); clip_coef finishes the norm
-   in torch's dtype and rounding, and one ops.scale_ pass per device scales every local
-   tensor.
+4. the rows merge (+, or max), across meshes too, then across `pp_mesh` (the pipeline
+   stages, whose ranks hold different parameters); clip_coef finishes the norm in torch's
+   dtype and rounding, and one scale pass per device scales every local tensor (none when
+   the coefficient is 1).
 For the inf norm, a NaN does not survive a MAX all-reduce (max(1, nan) depends on the
 operands' order), so each row carries [max |g| with nan read as inf, whether it saw a
 nan], and a nan flag after the merge makes the total nan, as torch's max propagates it.
@@ -49,6 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C, ops
+from ..clip import finish_norm
 
 # Specs remembered at most; past it the memo starts over (only a model whose gradients get
 # a fresh spec every step, e.g. some tensor-parallel plans, ever fills it).
@@ -199,12 +203,7 @@ def clip_dtensor_grads_(params: list[torch.Tensor], max_norm: float, norm_type: 
     if inf:
         partial = torch.stack([total_row[0].masked_fill(total_row[1] > 0, math.nan),
                                total_row[1]])
-    total, coef = ops.clip_coef(partial, norm_type, max_norm, norm_dtype)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the "
-            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+    total, coef = finish_norm(partial, max_norm, norm_type, error_if_nonfinite, norm_dtype)
     scale(coef)
     if len(meshes) == 1 and pp_mesh is None and _PLAIN not in partials:
         (mesh,) = meshes
