@@ -167,6 +167,13 @@ std::optional<at::Tensor> clip_parameters_(const pybind11::list& parameters, dou
     return total;
   if (auto total = clip_params_cuda(parameters, max_norm, norm_type, error_if_nonfinite))
     return total;
+  for (size_t i = 0; i < parameters.size(); ++i) {  // DTensors, say: no list of them to build
+    const at::Tensor& g = grad_of(PyList_GET_ITEM(parameters.ptr(), i), i);
+    if (g.defined()) {
+      if (g.unsafeGetTensorImpl()->is_python_dispatch()) return std::nullopt;
+      break;
+    }
+  }
   std::vector<at::Tensor> grads = read_grads(parameters);
   if (grads.empty()) return at::scalar_tensor(0.0);  // torch.tensor(0.0), as torch returns
   for (const at::Tensor& g : grads)

@@ -90,6 +90,13 @@ bool plain_cpu(const at::Tensor& t) {
          impl->has_storage();
 }
 
+// Whether obj is a Tensor, by a C-level subtype check: THPVariable_Check asks the type's
+// __instancecheck__, which nn.Parameter's metaclass answers in Python (~0.5 us a call, a
+// third of the walk's time on 2,000 FSDP2 parameters).
+bool is_tensor(PyObject* obj) {
+  return PyType_IsSubtype(Py_TYPE(obj), reinterpret_cast<PyTypeObject*>(THPVariableClass));
+}
+
 // parameters: the list pycomm.clip_grad_norm_ got; slot_of: {id(spec): slot index}, a
 // negative index meaning "the Python walk" (a Partial placement). Returns a ShardedGrads;
 // or the list of specs slot_of lacks (Python decides their slots and calls again); or None
@@ -103,7 +110,7 @@ pybind11::object sharded_grads(const pybind11::list& parameters, const pybind11:
   pybind11::list unknown;
   for (size_t i = 0; i < parameters.size(); ++i) {
     PyObject* param = PyList_GET_ITEM(parameters.ptr(), i);
-    if (!THPVariable_Check(param)) return pybind11::none();
+    if (!is_tensor(param)) return pybind11::none();
     // TensorImpl::grad(): Tensor::grad() asks autograd whether the tensor is a leaf on
     // every read (See clip_bind.cpp's grad_of)
     const at::Tensor& grad = THPVariable_Unpack(param).unsafeGetTensorImpl()->grad();
@@ -126,7 +133,7 @@ pybind11::object sharded_grads(const pybind11::list& parameters, const pybind11:
       continue;
     }
     const int64_t s = PyLong_AsLongLong(slot);
-    if (s < 0 || s >= slots || !THPVariable_Check(local.ptr())) return pybind11::none();
+    if (s < 0 || s >= slots || !is_tensor(local.ptr())) return pybind11::none();
     const at::Tensor& t = THPVariable_Unpack(local.ptr());
     if (!plain_cpu(t)) return pybind11::none();
     walk->add(s, t);
