@@ -1,11 +1,11 @@
 """Compile every translation unit against another torch release's headers.
 
-The GPU machine runs torch 2.11, this machine 2.13, and c10d's C++ API moves between
-releases (csrc/comm/c10d.h guards what we use). This catches a break before a GPU session
-does; torch 2.14 is the release after ours. Set PYCOMM_COMPAT_TORCH_INCLUDE to one
-`torch/include` directory or several joined by os.pathsep (tools/torch_headers.py fetches
-one; .ci/run does it for 2.11 and 2.14.1); skipped otherwise. Syntax and template checks only
-(-fsyntax-only / nvcc -c), nothing is linked or run.
+The GPU machine runs torch 2.11, CI builds against 2.15 and 2.13, and c10d's C++ API moves
+between releases (csrc/comm/c10d.h guards what we use). This catches a break before a GPU
+session does, and before a user on a newer release does. Set PYCOMM_COMPAT_TORCH_INCLUDE to
+one `torch/include` directory or several joined by os.pathsep (tools/torch_headers.py
+fetches one; .ci/run does it for 2.11 and the newest release); skipped otherwise. Syntax and
+template checks only (-fsyntax-only / nvcc -c), nothing is linked or run.
 """
 
 import glob
