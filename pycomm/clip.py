@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _C, ops, registry
+from .norms import finish_norm
 
 _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -106,20 +107,6 @@ def clip_from_partial(grads: list[torch.Tensor], partial: torch.Tensor, max_norm
     if grads:
         ops.scale_(grads, coef)
     return total
-
-
-def finish_norm(partial: torch.Tensor, max_norm: float, norm_type: float,
-                error_if_nonfinite: bool,
-                norm_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(total norm in `norm_dtype`, clip coefficient) of the merged norm `partial`, with
-    torch's refusal of a non-finite norm when `error_if_nonfinite`."""
-    total, coef = ops.clip_coef(partial, norm_type, max_norm, norm_dtype)
-    if error_if_nonfinite and not torch.isfinite(total):
-        raise RuntimeError(
-            f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
-            "non-finite, so it cannot be clipped. To disable this error and scale the "
-            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    return total, coef
 
 
 def _norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:

@@ -52,7 +52,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C, ops
-from ..clip import finish_norm
+from ..norms import finish_norm
 
 # Specs remembered at most; past it the memo starts over (only a model whose gradients get
 # a fresh spec every step, e.g. some tensor-parallel plans, ever fills it).
