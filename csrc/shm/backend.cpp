@@ -91,6 +91,12 @@ std::map<std::string, int64_t> ShmBackend::stats() const {
 
 void ShmBackend::stop() {
   for (const auto& lane : {collectives_, sends_, receives_}) lane->shutdown();
+  std::thread aborting;
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    aborting = std::move(aborting_);
+  }
+  if (aborting.joinable()) aborting.join();
 }
 
 c10::intrusive_ptr<c10d::Work> ShmBackend::enqueue(
@@ -168,15 +174,20 @@ void ShmBackend::fail(const std::string& what) {
     failure_ = what;
     failed_.store(true, std::memory_order_release);
   }
-  hooks_->aborting();
   const std::string dir = flight_record_dir();
-  if (dir.empty()) return;
-  try {
-    dump_flight_record(dir + "/" + flight_record_name());
-  } catch (const std::exception& e) {
-    TORCH_WARN("pycomm: could not write the flight record into ", dir, ": ", e.what());
+  if (!dir.empty()) {
+    try {
+      dump_flight_record(dir + "/" + flight_record_name());
+    } catch (const std::exception& e) {
+      TORCH_WARN("pycomm: could not write the flight record into ", dir, ": ", e.what());
+    }
+    channel_->signal_peers_to_dump();  // Note [Every rank dumps]
   }
-  channel_->signal_peers_to_dump();  // Note [Every rank dumps]
+  // torch's abort hooks run beside the failing call, not before it raises: torch 2.15's
+  // flight-recorder hook waits for its trace dump (TORCH_FR_WAIT_TIMEOUT_DUMP_MILSEC), which
+  // made a dead rank's report 1.5 s late. The thread is joined when the backend stops.
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  aborting_ = std::thread([hooks = hooks_] { hooks->aborting(); });
 }
 
 std::string ShmBackend::flight_record_name() const {

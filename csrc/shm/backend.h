@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "comm/c10d.h"
 #include "shm/collectives.h"
@@ -215,6 +216,7 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   std::mutex failure_mutex_;
   std::string failure_;  // the first failed operation's error: the group is unusable after it
   std::atomic<bool> failed_{false};  // failure_ is set (read without the lock)
+  std::thread aborting_;  // runs the abort hooks at the first failure (fail())
 };
 
 }  // namespace pycomm::shm

@@ -115,6 +115,9 @@ def _abort_hooks(rank, world, hosts):
         group.unregister_abort_hook(103)  # never registered: nothing to do
         with pytest.raises(dist.DistBackendError, match="Timed out"):
             group.allreduce([torch.ones(2)]).wait()  # rank 1 never comes
+        deadline = time.monotonic() + 10  # the hooks run beside the failing call
+        while not ran and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert ran == ["kept"]
         with pytest.raises(dist.DistBackendError, match="unusable after an earlier failure"):
             group.allreduce([torch.ones(2)]).wait()
