@@ -19,6 +19,7 @@ void allreduce_(const comm::ProcessGroupPtr& pg, at::Tensor tensor, const std::s
   work->wait();
 }
 
+void bind_wire(pybind11::module& m);          // csrc/comm/wire_bind.cpp
 void bind_clip(pybind11::module& m);          // csrc/grad/clip_bind.cpp
 void bind_sharded_clip(pybind11::module& m);  // csrc/grad/sharded_clip_bind.cpp
 
@@ -38,6 +39,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       pybind11::arg("n"), pybind11::arg("world"),
       "(range, tail): n elements cut over `world` ranks (See Note [Equal ranges and a tail] "
       "in csrc/comm/shard_split.h).");
+  pycomm::bind_wire(m);  // first: the reducer's and the backends' bindings take a Wire
   pycomm::bind_reducer(m);
   pycomm::bind_clip(m);
   pycomm::bind_sharded_clip(m);

@@ -8,6 +8,7 @@ from . import (
     _C,  # noqa: F401  (registers torch.ops.pycomm.*)
     optim,
 )
+from ._C import Wire, WireDtype
 from ._version import __version__
 from .clip import clip_grad_norm_
 from .config import DDPConfig
@@ -18,8 +19,9 @@ from .zero import ShardedGradScaler, ZeroRedundancyOptimizer
 
 _register_shm_backend()
 
-__all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "ShardedGradScaler",
-           "ZeroRedundancyOptimizer", "__version__", "clip_grad_norm_", "optim", "patch"]
+__all__ = ["DDPConfig", "DistributedDataParallel", "Patch", "ShardedGradScaler", "Wire",
+           "WireDtype", "ZeroRedundancyOptimizer", "__version__", "clip_grad_norm_", "optim",
+           "patch"]
 
 _LAZY_SUBMODULES = ("lightning",)  # import their library: only on first use
 

@@ -143,8 +143,12 @@ class DDPConfig:
     encoded, and the rank adds them in float32, so its gradients are rounded once (the
     bucket's tail, fewer elements than ranks, crosses in float32); with the gradients kept
     (the default) the sharded optimizer steps on what the all-reduce delivered. See Note
-    [Low-precision wire] in csrc/shm/wire_codec.h; ddp.reducer.wire says what is in effect
-    ('hook' once the sharded optimizer's hook replaced the all-reduce)."""
+    [Low-precision wire] in csrc/shm/wire_codec.h. The config holds it parsed, with
+    wire_error_feedback, as one pycomm.Wire (config.wire_format); ddp.reducer.wire says
+    what is in effect (a pycomm.Wire, equal to its name; None once a comm hook, the sharded
+    optimizer's included, replaced the all-reduce). A float64 gradient (a float64
+    parameter, or grad_reduce_dtype=torch.float64) is refused when the DDP is built, naming
+    the parameter."""
 
     wire_error_feedback: bool = False
     """With wire="int8": what the int8 encoding loses is kept per rank and added to the
@@ -226,14 +230,12 @@ class DDPConfig:
                              f"{self.local_clip_max_norm}")
         if self.local_clip_error_if_nonfinite and self.local_clip_max_norm is None:
             raise ValueError("local_clip_error_if_nonfinite needs local_clip_max_norm")
-        from . import _C  # the wire's names have one owner, csrc/comm/wire.cpp
+        from . import _C  # the wire's rules have one owner, csrc/comm/wire.cpp
 
-        _C.wire_name(self.wire, self.wire_error_feedback)
-        if self.wire != "fp32" and self.grad_reduce_dtype == torch.float64:
-            raise ValueError(f"wire={self.wire!r} sends float32, bfloat16 and float16 "
-                             f"gradients; grad_reduce_dtype=torch.float64 makes float64 "
-                             f"buckets (use wire='fp32' with it)")
-        if self.wire != "fp32" and not (self.shared_memory_gradients
+        # See Note [The wire as a value] in csrc/comm/wire.h: parsed here, once, and read
+        # as this value from here on (the reducer's options, the sharded optimizer's hook)
+        object.__setattr__(self, "wire_format", _C.Wire(self.wire, self.wire_error_feedback))
+        if not self.wire_format.exact and not (self.shared_memory_gradients
                                         and self.hierarchical_allreduce):
             raise ValueError(f"wire={self.wire!r} crosses hosts through the hierarchical "
                              f"all-reduce: it needs shared_memory_gradients=True and "

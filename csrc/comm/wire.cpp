@@ -24,13 +24,31 @@ Wire Wire::parse(const std::string& wire, bool error_feedback) {
   return w;
 }
 
-std::string Wire::name() const {
+Wire Wire::of(WireDtype dtype, bool error_feedback) {
+  Wire w;
+  w.dtype = dtype;
+  return parse(w.dtype_name(), error_feedback);
+}
+
+const char* Wire::dtype_name() const {
   switch (dtype) {
     case WireDtype::kFloat32: return "fp32";
     case WireDtype::kBFloat16: return "bf16";
-    case WireDtype::kInt8: return error_feedback ? "int8+ef" : "int8";
+    case WireDtype::kInt8: return "int8";
   }
   return "?";
+}
+
+std::string Wire::name() const { return std::string(dtype_name()) + (error_feedback ? "+ef" : ""); }
+
+bool Wire::carries(at::ScalarType grad) const {
+  return exact() || grad == at::kFloat || grad == at::kBFloat16 || grad == at::kHalf;
+}
+
+void Wire::check_carries(at::ScalarType grad, const std::string& what) const {
+  TORCH_CHECK_VALUE(carries(grad), "DDPConfig(wire='", dtype_name(), "') sends float32, ",
+                    "bfloat16 and float16 gradients across hosts; ", what, " (use wire='fp32' ",
+                    "for it)");
 }
 
 }  // namespace pycomm::comm

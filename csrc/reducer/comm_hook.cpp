@@ -60,12 +60,6 @@ FuturePtr AllreduceSumHook::run(Bucket& bucket, size_t /*bucket_count*/,
   }
   FuturePtr reduced;
   if (wire_ops_ != nullptr && !wire_.exact() && bucket.buffer.device().is_cpu()) {
-    const auto dtype = bucket.buffer.scalar_type();
-    TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                      "bucket ", bucket.index, ": DDPConfig(wire='", wire_.name(),
-                      "') sends float32, bfloat16 and float16 gradients across hosts, this "
-                      "bucket holds ",
-                      dtype, " (use wire='fp32' for it)");
     if (!bucket.wire_residual) bucket.wire_residual = std::make_shared<comm::WireResidual>();
     reduced = finish(wire_ops_->allreduce_wire(bucket.buffer, wire_, bucket.wire_residual));
   } else {

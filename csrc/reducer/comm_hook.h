@@ -46,6 +46,9 @@ class CommHook {
   // Called before `run` for the step's first bucket when step_label_elements() > 0: start
   // the exchange; that bucket's future then fails if the ranks' labels differ.
   virtual void begin_step(const comm::OpLabel& /*label*/) {}
+  // The wire this hook sends buckets across hosts in, where the reducer decides it (the
+  // default all-reduce); nullptr where the hook decides what it sends.
+  virtual const comm::Wire* wire() const { return nullptr; }
 };
 
 // torch's default without a hook: sum all-reduce of the pre-scaled bucket. With
@@ -59,7 +62,7 @@ class AllreduceSumHook final : public CommHook {
   AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline, comm::Wire wire = {});
   // The wire the buckets cross hosts in: `wire`, or fp32 where the group's backend
   // offers no low-precision all-reduce.
-  const comm::Wire& wire() const { return wire_; }
+  const comm::Wire* wire() const override { return &wire_; }
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return true; }

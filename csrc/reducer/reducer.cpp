@@ -6,6 +6,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include "shm/collectives.h"
+
 namespace pycomm::reducer {
 
 namespace {
@@ -73,15 +75,25 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   TORCH_CHECK_VALUE(names_.size() == params_.size(), "Reducer: ", names_.size(), " names for ",
                     params_.size(), " parameters");
   hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
-                                             comm::Wire::parse(options_.wire,
-                                                               options_.wire_error_feedback));
+                                             options_.wire_format);
   rebuild_buckets(assignment);
+  // Buckets the wire in effect cannot carry are refused now, naming a parameter, rather than
+  // at their first backward (See Note [The wire as a value] in comm/wire.h); a re-cut keeps
+  // each parameter's dtype.
+  for (const auto& bucket : layout_.buckets()) {
+    const size_t first = bucket->params.front();
+    const auto dtype = bucket->buffer.scalar_type();
+    hook_->wire()->check_carries(
+        dtype, "parameter '" + names_[first] + "'" +
+                   (params_[first].scalar_type() == dtype ? " is " : " is reduced in ") +
+                   shm::dtype_name(dtype) + " (bucket " + std::to_string(bucket->index) + ")");
+  }
   install_hooks();
 }
 
-std::string Reducer::wire() const {
-  const auto* sum = dynamic_cast<const AllreduceSumHook*>(hook_.get());
-  return sum != nullptr ? sum->wire().name() : "hook";
+std::optional<comm::Wire> Reducer::wire() const {
+  const comm::Wire* wire = hook_->wire();
+  return wire != nullptr ? std::optional<comm::Wire>(*wire) : std::nullopt;
 }
 
 Reducer::~Reducer() {

@@ -58,8 +58,7 @@ namespace pycomm::reducer {
   X(bool, streaming_copies)                           \
   X(bool, in_place_reduction)                         \
   X(bool, main_grad_only)                             \
-  X(std::string, wire)                                \
-  X(bool, wire_error_feedback)
+  X(comm::Wire, wire_format)
 
 // What each means inside the reducer, where it is not plain from DDPConfig's text:
 // - skip_all_reduce_unused_params: a bucket whose parameters are all unused on this rank
@@ -76,9 +75,10 @@ namespace pycomm::reducer {
 // - in_place_reduction: See Note [Gradients reduced in place] in in_place.cpp.
 // - main_grad_only: with grad_reduce_dtype, param.grad is left None for widened parameters
 //   after the reduction (See Note [main_grad accumulation]).
-// - wire, wire_error_feedback: parsed once into the default hook's comm::Wire (comm/wire.h),
-//   which hands it whole to a backend spanning hosts (Note [Low-precision wire] in
-//   shm/wire_codec.h).
+// - wire_format: DDPConfig's wire and wire_error_feedback, parsed once by DDPConfig (See
+//   Note [The wire as a value] in comm/wire.h); the default hook hands it whole to a
+//   backend spanning hosts (Note [Low-precision wire] in shm/wire_codec.h). Where it is in
+//   effect, every bucket's dtype is checked against it when the buckets are laid out.
 struct ReducerOptions {
 #define PYCOMM_OPTION_FIELD(type, name) type name{};
   PYCOMM_REDUCER_OPTIONS(PYCOMM_OPTION_FIELD)
@@ -141,9 +141,9 @@ class Reducer {
   // (See PythonCommHook in comm_hook.h); between backwards.
   void set_comm_hook_in_place(bool on);
   bool has_python_comm_hook() const { return python_hook_; }
-  // What the default all-reduce sends across hosts ("fp32", "bf16", "int8", "int8+ef"),
-  // or "hook" while a communication hook reduces the buckets.
-  std::string wire() const;
+  // What the default all-reduce sends across hosts (fp32 where the group spans no hosts),
+  // or nullopt while a communication hook reduces the buckets.
+  std::optional<comm::Wire> wire() const;
   // Elements of the label each synchronized step exchanges before its first bucket (See
   // Note [Step labels over the group] in comm/step_label.cpp); 0: none.
   int64_t step_label_elements() const {

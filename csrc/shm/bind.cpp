@@ -137,6 +137,15 @@ pybind11::object future_object(const comm::WorkPtr& work) {
   return torch::jit::toPyObject(c10::IValue(work->getFuture()));
 }
 
+// A wire collective's `wire` (a pycomm.Wire, or its name, parsed here: a misspelt one is
+// DDPConfig's ValueError), with error feedback switched on by `error_feedback` as well.
+comm::Wire wire_arg(const pybind11::handle& wire, bool error_feedback) {
+  const comm::Wire parsed = pybind11::isinstance<pybind11::str>(wire)
+                                ? comm::Wire::parse(wire.cast<std::string>(), false)
+                                : wire.cast<comm::Wire>();
+  return error_feedback ? comm::Wire::of(parsed.dtype, true) : parsed;
+}
+
 void bind_hier(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<comm::WireResidual, std::shared_ptr<comm::WireResidual>>(
@@ -151,17 +160,9 @@ void bind_hier(pybind11::module& m) {
           "summed", [](const comm::WireResidual& r) { return r.summed; },
           "what the wire lost of the sums this rank formed");
   m.def(
-      "wire_name",
-      [](const std::string& wire, bool error_feedback) {
-        return comm::Wire::parse(wire, error_feedback).name();
-      },
-      py::arg("wire"), py::arg("error_feedback") = false,
-      "DDPConfig's wire and wire_error_feedback checked, as one name ('fp32', 'bf16', 'int8', "
-      "'int8+ef'); a ValueError names what is wrong");
-  m.def(
       "wire_bytes",
-      [](const std::string& wire, int64_t n) {
-        return shm::wire_bytes(comm::Wire::parse(wire, false).dtype, n);
+      [](const py::handle& wire, int64_t n) {
+        return shm::wire_bytes(wire_arg(wire, false).dtype, n);
       },
       py::arg("wire"), py::arg("n"), "bytes n float32 values take in the wire's form");
   bind_backend<py::class_<shm::HierBackend, c10d::Backend, c10::intrusive_ptr<shm::HierBackend>>>(
@@ -186,34 +187,35 @@ void bind_hier(pybind11::module& m) {
                              "the shared-memory group of this rank's host")
       .def(
           "allreduce_wire",
-          [](shm::HierBackend& b, at::Tensor tensor, const std::string& wire, bool error_feedback,
+          [](shm::HierBackend& b, at::Tensor tensor, const py::handle& wire, bool error_feedback,
              std::shared_ptr<comm::WireResidual> residual, bool async_op) -> py::object {
+            const comm::Wire sent = wire_arg(wire, error_feedback);
             comm::WorkPtr work;
             {
               py::gil_scoped_release nogil;
-              work = b.allreduce_wire(std::move(tensor), comm::Wire::parse(wire, error_feedback),
-                                      std::move(residual));
+              work = b.allreduce_wire(std::move(tensor), sent, std::move(residual));
               if (!async_op) work->wait();
             }
             return async_op ? future_object(work) : py::none();
           },
           py::arg("tensor"), py::arg("wire"), py::arg("error_feedback") = false,
           py::arg("residual") = nullptr, py::arg("async_op") = false,
-          "Sum all-reduce of `tensor` in place whose cross-host leg carries `wire` ('fp32', "
-          "'bf16' or 'int8') with float32 sums (Note [Low-precision wire]); returns when it is "
+          "Sum all-reduce of `tensor` in place whose cross-host leg carries `wire` (a "
+          "pycomm.Wire, or 'fp32', 'bf16', 'int8') with float32 sums (Note [Low-precision wire]); "
+          "returns when it is "
           "done, or with async_op a torch.futures.Future of it. "
           "error_feedback (int8) keeps its residuals in `residual` (a WireResidual) from one "
           "call to the next")
       .def(
           "reduce_scatter_wire",
-          [](shm::HierBackend& b, at::Tensor output, at::Tensor input, const std::string& wire,
+          [](shm::HierBackend& b, at::Tensor output, at::Tensor input, const py::handle& wire,
              bool error_feedback, std::shared_ptr<comm::WireResidual> residual,
              bool async_op) -> py::object {
+            const comm::Wire sent = wire_arg(wire, error_feedback);
             comm::WorkPtr work;
             {
               py::gil_scoped_release nogil;
-              work = b.reduce_scatter_wire(std::move(output), std::move(input),
-                                           comm::Wire::parse(wire, error_feedback),
+              work = b.reduce_scatter_wire(std::move(output), std::move(input), sent,
                                            std::move(residual));
               if (!async_op) work->wait();
             }
@@ -222,7 +224,8 @@ void bind_hier(pybind11::module& m) {
           py::arg("output"), py::arg("input"), py::arg("wire"), py::arg("error_feedback") = false,
           py::arg("residual") = nullptr, py::arg("async_op") = false,
           "Sum reduce_scatter_tensor of `input` into `output` whose cross-host all-to-all "
-          "carries `wire` ('fp32', 'bf16' or 'int8'): each host's sums of this rank's range "
+          "carries `wire` (a pycomm.Wire, or 'fp32', 'bf16', 'int8'): each host's sums of this "
+          "rank's range "
           "cross once, encoded, and are added in float32 (Note [Low-precision wire]); returns "
           "when it is done, or with async_op a torch.futures.Future of it. error_feedback "
           "(int8) keeps its residuals in `residual` (a WireResidual)")

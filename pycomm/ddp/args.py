@@ -84,7 +84,7 @@ def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig,
     if wire and (group is None or hierarchy(group) is None):
         warnings.warn(f"DDPConfig(wire={config.wire!r}): every rank of the group runs on "
                       f"this host, so no gradient crosses a host and none is sent as "
-                      f"{config.wire} (ddp.reducer.wire is 'fp32')", UserWarning, stacklevel=4)
+                      f"{config.wire} (ddp.reducer.wire is fp32)", UserWarning, stacklevel=4)
     return group or process_group
 
 

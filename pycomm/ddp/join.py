@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
+from .. import _C
 from ..config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .forward import ForwardSync
 
@@ -46,13 +47,13 @@ def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool, hand_over: bool) -
         pending.append(dist.all_reduce(torch.zeros(labels, dtype=torch.int64), group=group,
                                        async_op=True))
     buckets = reducer.zeros_like_grad_buckets()
-    wire = reducer.wire.split("+")[0]
-    if sync.comm_hook is None and wire not in ("fp32", "hook"):
+    wire = reducer.wire  # None under a comm hook
+    if sync.comm_hook is None and wire is not None and not wire.exact:
         # the running ranks' buckets cross hosts in the wire (DDPConfig.wire): the same
         # collectives, queued behind the label exchange; zeros need no error feedback
         backend = group._get_backend(sync.device)
         for b in buckets:
-            backend.allreduce_wire(b.buffer(), wire)
+            backend.allreduce_wire(b.buffer(), _C.Wire(wire.dtype))
         results = [b.buffer() for b in buckets]
     elif sync.comm_hook is None:
         pending += [dist.all_reduce(b.buffer(), group=group, async_op=True) for b in buckets]

@@ -243,9 +243,10 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
             raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
         if self._sync.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
-        if self.reducer.wire not in ("fp32", "hook"):
+        wire = self.reducer.wire  # None once a hook is registered
+        if wire is not None and not wire.exact:
             raise RuntimeError(f"register_comm_hook: this DDP sends its gradients across hosts "
-                               f"as DDPConfig(wire={self.config.wire!r}) says, and a comm "
+                               f"as DDPConfig(wire={wire.name!r}) says, and a comm "
                                f"hook would decide that itself: use one or the other "
                                f"(wire='fp32' with a hook)")
         self.reducer.register_comm_hook(state, hook)
@@ -288,7 +289,7 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
         (reducer.set_comm_hook_in_place). Also between steps after training began (See
         Note [Wrapped after the optimizer] in pycomm/zero/binding.py). The hook's
         collectives carry the DDP's wire (DDPConfig.wire) where it is in effect: read
-        reducer.wire before registering, as it says "hook" after."""
+        reducer.wire before registering, as it is None after."""
         if self._sync.comm_hook is not None:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "

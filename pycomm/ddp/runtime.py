@@ -26,12 +26,6 @@ class Runtime:
         gradient_pg = gradient_group(ddp.process_group, ddp.config, ddp.device)
         self.reducer = construction.build_reducer(ddp._named_params, gradient_pg,
                                                   ddp.process_group, ddp.config)
-        if self.reducer.wire not in ("fp32", "hook"):  # before any backward fails on it
-            for name, p in ddp._named_params:
-                if p.dtype == torch.float64:
-                    raise ValueError(f"DDPConfig(wire={ddp.config.wire!r}) sends float32, "
-                                     f"bfloat16 and float16 gradients across hosts; "
-                                     f"parameter {name!r} is float64 (use wire='fp32')")
         self.sync = ForwardSync(self.reducer, ddp.module, ddp._delayed_names,
                                 ddp._named_params, ddp.process_group, gradient_pg,
                                 ddp.device, ddp.config)

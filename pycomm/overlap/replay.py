@@ -137,16 +137,17 @@ def _recorded_buckets(raw: Mapping[str, Any]) -> list[tuple[int, int, tuple[int,
             for b in sorted(raw["buckets"], key=lambda b: b["index"])]
 
 
-def wire_ratio(wire: str, nbytes: int) -> float:
-    """Bytes a float32 bucket of `nbytes` takes on the wire (DDPConfig.wire) per byte of
-    its own: 1 for "fp32", 0.5 for "bf16", about 0.254 for "int8" (its scales included).
-    The sizes are csrc/shm/wire_codec.cpp's, read through the extension."""
+def wire_ratio(wire: str | Any, nbytes: int) -> float:
+    """Bytes a float32 bucket of `nbytes` takes on the wire (DDPConfig.wire, or a
+    pycomm.Wire) per byte of its own: 1 for "fp32", 0.5 for "bf16", about 0.254 for "int8"
+    (its scales included). The sizes are csrc/shm/wire_codec.cpp's, read through the
+    extension; a misspelt wire is the same error as DDPConfig's."""
     from .. import _C
 
-    if wire == "fp32" or nbytes < 4:
-        _C.wire_name(wire)  # a misspelt wire is an error here too
+    parsed = wire if isinstance(wire, _C.Wire) else _C.Wire(wire)
+    if parsed.exact or nbytes < 4:
         return 1.0
-    return _C.wire_bytes(wire, nbytes // 4) / nbytes
+    return _C.wire_bytes(parsed, nbytes // 4) / nbytes
 
 
 @dataclass(frozen=True)

@@ -47,9 +47,10 @@ class HookState:
         # the DDP's reducer puts it in effect: a group spanning hosts), which the bucket
         # collectives here carry too; None: float32. Its error-feedback residuals per
         # bucket index, restarted when the buckets are re-cut.
-        self.wire: Optional[tuple[str, bool]] = None
-        if ddp.reducer.wire not in ("fp32", "hook"):
-            self.wire = (ddp.config.wire, ddp.config.wire_error_feedback)
+        self.wire: Optional[_C.Wire] = None
+        wire = ddp.reducer.wire  # None under a comm hook: none is registered yet
+        if wire is not None and not wire.exact:
+            self.wire = wire
             self.backend = self.group._get_backend(torch.device("cpu"))
         self.residuals: dict[int, Any] = {}  # cleared by `final` and by a re-cut
 
@@ -80,11 +81,10 @@ def _wire_args(state: HookState, index: int, buf: torch.Tensor) -> Optional[dict
     reduce_scatter_wire), or None where the bucket crosses hosts in float32."""
     if state.wire is None or not buf.is_cpu:
         return None
-    wire, feedback = state.wire
     residual = state.residuals.get(index)
-    if feedback and residual is None:
+    if state.wire.error_feedback and residual is None:
         residual = state.residuals[index] = _C.WireResidual()
-    return dict(wire=wire, error_feedback=feedback, residual=residual, async_op=True)
+    return dict(wire=state.wire, residual=residual, async_op=True)
 
 
 def _raise_failure(future: torch.futures.Future) -> None:

@@ -28,10 +28,18 @@ PYTHON_SIDE = {
 }
 
 
+# DDPConfig's values parsed from several fields, which the reducer reads whole.
+PARSED = {"wire_format": ("wire", "wire_error_feedback")}
+
+
 def test_every_field_is_read_on_exactly_one_side():
     config = {f.name for f in dataclasses.fields(pycomm.DDPConfig)}
     cpp = set(_C.REDUCER_OPTIONS)
     assert len(cpp) == len(_C.REDUCER_OPTIONS), "an option is listed twice in C++"
+    for value, fields in PARSED.items():
+        assert value in cpp, f"{value} is parsed for the reducer, which does not read it"
+        assert set(fields) <= config and not set(fields) & cpp, fields
+        cpp = (cpp - {value}) | set(fields)
     assert cpp <= config, f"C++ reducer options without a DDPConfig field: {cpp - config}"
     assert not cpp & set(PYTHON_SIDE), cpp & set(PYTHON_SIDE)
     unowned = config - cpp - set(PYTHON_SIDE)

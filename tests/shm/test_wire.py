@@ -8,6 +8,7 @@ feedback cancels it over steps; and DDP's option, its refusals and its report.""
 from __future__ import annotations
 
 import copy
+import pickle
 import time
 import warnings
 
@@ -248,7 +249,7 @@ def test_a_residual_restarts_when_the_layout_changes():
 
 
 def test_wire_names_are_checked():
-    assert pycomm._C.wire_name("int8", True) == "int8+ef"
+    assert pycomm.Wire("int8", True).name == "int8+ef"
     with pytest.raises(ValueError, match="wire must be 'fp32', 'bf16' or 'int8'.*'fp16'"):
         pycomm.DDPConfig(wire="fp16")
     with pytest.raises(ValueError, match="wire_error_feedback needs wire='int8'"):
@@ -289,6 +290,9 @@ def _ddp_wire(rank, world, per_host, wire, feedback):
     with pytest.raises(ValueError, match="parameter 'net.0.weight' is float64"):
         pycomm.DistributedDataParallel(build("mlp").double(),
                                        config=pycomm.DDPConfig(wire=wire))
+    with pytest.raises(ValueError, match="parameter 'net.0.weight' is reduced in float64"):
+        pycomm.DistributedDataParallel(build("mlp").bfloat16(), config=pycomm.DDPConfig(
+            wire=wire, grad_reduce_dtype=torch.float64))
     # The sharded optimizer with its gradients kept steps on what the wire delivered
     # (released, its reduce-scatter carries the wire: test_wire_sharded.py).
     zero = pycomm.ZeroRedundancyOptimizer(ours.parameters(), torch.optim.AdamW, lr=1e-3)
@@ -320,7 +324,7 @@ def _one_host(rank, world):
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
     ddp.register_comm_hook(None, allreduce_hook)
-    assert ddp.reducer.wire == "hook"
+    assert ddp.reducer.wire is None  # the hook decides what crosses
 
 
 def test_on_one_host_the_wire_changes_nothing_and_says_so():
@@ -406,3 +410,28 @@ def _host_dies(rank, world, op):
 @pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter"])
 def test_a_dead_host_is_named_in_the_wire_collectives(op):
     run_ranks(_host_dies, world_size=4, group_timeout_s=15, op=op)
+
+
+def test_the_wire_is_one_value():
+    """Note [The wire as a value]: parsed once where it is named, then compared, hashed,
+    pickled and asked whole; DDPConfig holds it parsed."""
+    wire = pycomm.Wire("int8", error_feedback=True)
+    assert wire == "int8+ef" and wire == pycomm.Wire(pycomm.WireDtype.INT8, True)
+    assert wire != "int8" and wire != pycomm.Wire("int8") and wire != 3
+    assert {wire: 1}[pycomm.Wire("int8", True)] == 1 and hash(wire) == hash("int8+ef")
+    assert pickle.loads(pickle.dumps(wire)) == wire
+    assert repr(wire) == "pycomm.Wire('int8', error_feedback=True)" and str(wire) == "int8+ef"
+    assert (wire.dtype, wire.error_feedback, wire.exact) == (pycomm.WireDtype.INT8, True, False)
+    assert pycomm.Wire().exact and pycomm.Wire() == "fp32"
+    assert [pycomm.Wire("bf16").carries(d) for d in
+            (torch.float32, torch.bfloat16, torch.float16, torch.float64)] == [1, 1, 1, 0]
+    assert pycomm.Wire("fp32").carries(torch.float64)
+    with pytest.raises(ValueError, match="wire_error_feedback needs wire='int8'"):
+        pycomm.Wire(pycomm.WireDtype.BF16, error_feedback=True)
+    config = pycomm.DDPConfig(wire="int8", wire_error_feedback=True)
+    assert config.wire_format == wire
+    assert config.replace(wire_error_feedback=False).wire_format == "int8"
+    assert pickle.loads(pickle.dumps(config)) == config
+    # float64 buckets are refused by the DDP that would send them, naming the parameter
+    # (test_ddp_sends_gradients_in_the_wire); where nothing crosses a host they are fine
+    assert not pycomm.DDPConfig(wire="bf16", grad_reduce_dtype=torch.float64).wire_format.exact

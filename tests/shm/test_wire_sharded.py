@@ -158,7 +158,7 @@ def _zero_wire(rank, world, wire, feedback, tol, compile_too):
                                                          wire_error_feedback=fb))
         zero = pycomm.ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1,
                                               release_gradients=True)
-        assert zero._hook_state.wire == (None if w == "fp32" else (w, fb))
+        assert zero._hook_state.wire == (None if w == "fp32" else pycomm.Wire(w, fb))
         seen = 0
         for i in range(3):
             if i == 1:  # from here the buckets are final: reduce-scattered
