@@ -6,6 +6,8 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/utils/lambda_post_hook.h>
 
+#include <algorithm>
+
 #include "shm/collectives.h"
 
 namespace pycomm::reducer {
@@ -166,20 +168,25 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
   std::lock_guard<std::mutex> lock(mutex_);
   refuse_unfinalized();
   std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
-  // A parameter frozen after construction is never reached by the backward. The walk of
-  // find_unused_parameters finds it unused, as torch's does, and it trains on. Otherwise
-  // its bucket would never be complete: a RuntimeError, as torch's (which raises one a
-  // forward later, when the step it left unfinished is found); code written for torch's
-  // DDP catches it.
-  for (size_t i = 0; i < params_.size() && !options_.find_unused_parameters; ++i) {
-    TORCH_CHECK(params_[i].requires_grad(), "pycomm DDP (rank ", rank_, "): parameter ", names_[i],
+  reset_step();
+  usage_.plan(outputs, accumulators_);
+  // A parameter frozen after construction is never reached by the backward. Where this
+  // step marks it unused it trains on: the walk of find_unused_parameters finds it, as
+  // torch's does (static_graph's learned set holds it only if it was unused in the first
+  // step). Otherwise its bucket would never be complete: a RuntimeError, as torch's (which
+  // raises one a forward later, when the step it left unfinished is found); code written
+  // for torch's DDP catches it.
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].requires_grad()) continue;
+    const std::vector<size_t>& unused = usage_.unused();
+    TORCH_CHECK(std::find(unused.begin(), unused.end(), i) != unused.end(), "pycomm DDP (rank ",
+                rank_, "): parameter ", names_[i],
                 " no longer requires grad: requires_grad changed after "
                 "DistributedDataParallel was constructed; wrap the module again, or pass "
-                "find_unused_parameters=True (a frozen parameter is then an unused one)");
+                "find_unused_parameters=True without static_graph (a frozen parameter is "
+                "then an unused one)");
   }
-  reset_step();
   ++forwards_;
-  usage_.plan(outputs, accumulators_);
   recorder_.plan(outputs, accumulators_);
   std::weak_ptr<Reducer*> weak = self_;
   for (const auto& out : outputs) {

@@ -177,6 +177,24 @@ def test_requires_grad_changed_raises_runtime_error_like_torch():
     run_ranks(_requires_grad_changed, 2)
 
 
+def _frozen_under_static_graph(rank, world_size):
+    # static_graph learns its unused set in the first step and walks the graph no more, so
+    # even with find_unused_parameters a parameter frozen later is never marked unused:
+    # the forward after the change names it (not finalize, with a bucket left waiting).
+    ours = pycomm.DistributedDataParallel(build("mlp"), static_graph=True,
+                                          find_unused_parameters=True)
+    for step in range(2):
+        loss_of(ours(make_input("mlp", rank, step))).backward()
+    ours.module.net[0].weight.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"net\.0\.weight no longer requires grad.*"
+                                           r"without static_graph"):
+        ours(make_input("mlp", rank, 2))
+
+
+def test_frozen_after_wrapping_under_static_graph_is_named():
+    run_ranks(_frozen_under_static_graph, 2)
+
+
 def _frozen_with_find_unused(rank, world_size):
     # With find_unused_parameters torch's DDP finds a parameter frozen after wrapping
     # unused, and trains on: its gradient stays as zero_grad left it. So does pycomm's.
