@@ -78,6 +78,9 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
     sharder = None if ddp is None else ddp.sharder
     if sharder is not None and sharder.grads_in_shards and sharder.covers(parameters):
         return sharder.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, parameters)
+    if ddp is not None and ddp.config.main_grad_only:
+        # the step reads param.main_grad there, param.grad being None: clip that
+        return _clip_synced(parameters, max_norm, norm_type, error_if_nonfinite)
     # Reads every .grad in C++: plain CPU gradients are clipped right there, anything else
     # by the pycomm::clip_grad_norm_ composite, unboxed. See csrc/grad/clip_bind.cpp for
     # why this is not a torch.ops call. None: a gradient is a tensor subclass.
@@ -86,6 +89,22 @@ def clip_grad_norm_(parameters: _Tensors, max_norm: float, norm_type: float = 2.
     if total is not None:
         return total
     return _clip_sharded(parameters, max_norm, norm_type, error_if_nonfinite, None)
+
+
+def _clip_synced(parameters: list[torch.Tensor], max_norm: float, norm_type: float,
+                 error_if_nonfinite: bool) -> torch.Tensor:
+    """The clip of what an optimizer steps on (DistributedDataParallel.synced_grad: the
+    fp32 param.main_grad under DDPConfig.main_grad_only, else param.grad), per parameter
+    as its DDP says."""
+    grads = []
+    for p in parameters:
+        ddp = registry.ddp_of(p)
+        grad = p.grad if ddp is None else ddp.synced_grad(p)
+        if grad is not None:
+            grads.append(grad)
+    if not grads:
+        return torch.tensor(0.0)  # as torch returns with no gradient
+    return ops.clip_grad_norm_(grads, max_norm, norm_type, error_if_nonfinite)
 
 
 def _clip_sharded(parameters: list[torch.Tensor], max_norm: float, norm_type: float,

@@ -99,22 +99,28 @@ def _check(rank, world_size, dtype, main_grad_only, exact, device="cpu"):
 
 
 def _clip_main_grad_only(rank, world_size):
-    """ddp.clip_grad_norm_ clips param.main_grad when param.grad is left None."""
+    """ddp.clip_grad_norm_ clips param.main_grad when param.grad is left None, and so does
+    pycomm.clip_grad_norm_(ddp.parameters()): the standalone clip scales what the optimizer
+    steps on, not the None param.grad (which would clip nothing, silently)."""
     base = build("mlp").to(torch.bfloat16)
     cfg = pycomm.DDPConfig(grad_reduce_dtype=torch.float32, main_grad_only=True)
-    ddp = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
     want = _oracle(base, rank, world_size, 0, torch.bfloat16)
-    _accumulate(ddp, rank, 0, torch.bfloat16)
     refs = [torch.zeros_like(w).requires_grad_() for w in want]
     for r, w in zip(refs, want):
         r.grad = w.clone()
     expect = torch.nn.utils.clip_grad_norm_(refs, 1e-3)
-    total = ddp.clip_grad_norm_(1e-3)
     assert expect.item() > 1e-3, "clipping must be active"
-    # the norm is summed per bucket instead of per tensor: fp32 summation-order noise
-    torch.testing.assert_close(total, expect, rtol=1e-5, atol=0)
-    for p, r in zip(ddp.module.parameters(), refs):
-        torch.testing.assert_close(p.main_grad, r.grad, rtol=1e-5, atol=1e-9)
+    clips = {"ddp": lambda ddp: ddp.clip_grad_norm_(1e-3),
+             "standalone": lambda ddp: pycomm.clip_grad_norm_(ddp.parameters(), 1e-3)}
+    for how, clip in clips.items():
+        ddp = pycomm.DistributedDataParallel(copy.deepcopy(base), config=cfg)
+        _accumulate(ddp, rank, 0, torch.bfloat16)
+        total = clip(ddp)
+        # the norm is summed per bucket or per tensor: fp32 summation-order noise
+        torch.testing.assert_close(total, expect, rtol=1e-5, atol=0, msg=how)
+        for p, r in zip(ddp.module.parameters(), refs):
+            assert p.grad is None, how
+            torch.testing.assert_close(p.main_grad, r.grad, rtol=1e-5, atol=1e-9, msg=how)
 
 
 def _two_ranks(rank, world_size):
