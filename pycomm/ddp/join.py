@@ -11,7 +11,7 @@ imports nothing of the module itself."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import JoinHook
 from .. import _C
 from ..config import BROADCAST_BUCKET_BYTES, DDPConfig
 from .forward import ForwardSync
+from .sharding import Sharder
 
 
 class JoinFlags(Protocol):
@@ -27,7 +28,7 @@ class JoinFlags(Protocol):
     the sharded optimizer attached to it."""
     config: DDPConfig
     require_forward_param_sync: bool
-    sharder: Any
+    sharder: Optional[Sharder]
 
 
 def _shadow_backward(sync: ForwardSync, nonfinite_flag: bool, hand_over: bool) -> None:

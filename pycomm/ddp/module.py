@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .. import overlap, registry
+from .._C import Wire
 from ..config import DDPConfig
 from . import construction, pickling
 from .args import (
@@ -47,6 +48,7 @@ from .finalization import TORCH_HAS_MANUAL_FINALIZATION, ManualFinalization
 from .forward import ForwardSync
 from .join import DDPJoinHook
 from .runtime import Runtime
+from .sharding import ShardedReduction, Sharder, check_sharder
 
 # torch's API of the installed release: a later release's methods only where torch has them
 _TORCH_RELEASE_API = (ManualFinalization,) if TORCH_HAS_MANUAL_FINALIZATION else ()
@@ -243,7 +245,7 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
             raise TypeError(f"communication hook must be callable, got {type(hook).__name__}")
         if self._sync.comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
-        wire = self.reducer.wire  # None once a hook is registered
+        wire = self.wire  # None once a hook is registered
         if wire is not None and not wire.exact:
             raise RuntimeError(f"register_comm_hook: this DDP sends its gradients across hosts "
                                f"as DDPConfig(wire={wire.name!r}) says, and a comm "
@@ -254,20 +256,41 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
 
     # ---- sharding (pycomm.ZeroRedundancyOptimizer) ------------------------------------
 
-    def attach_sharder(self, sharder: Any) -> None:
+    def attach_sharder(self, sharder: Sharder,
+                       reduction: Optional[ShardedReduction] = None) -> None:
         """The sharded optimizer over this DDP's parameters (pycomm.ZeroRedundancyOptimizer
-        attaches itself when it is built on the DDP, or moves onto it). The DDP's forward
-        waits for its pending parameter all-gathers (before_module_call), the DDP's clip
-        asks it for the norm where the gradients live in its shards (grads_in_shards,
-        clip_grad_norm_), and join waits for its all-gathers (wait_for_params). Held
-        weakly; a later one replaces it."""
+        attaches itself when it is built on the DDP, or moves onto it; See
+        pycomm/ddp/sharding.py for both sides). The DDP's forward waits for its pending
+        parameter all-gathers (before_module_call), the DDP's clip asks it for the norm
+        where the gradients live in its shards (grads_in_shards, clip_grad_norm_), and
+        join waits for its all-gathers (wait_for_params). Held weakly; a later one replaces
+        it. With `reduction` the reducer reduces each bucket as it says (also between steps
+        after training began: See Note [Wrapped after the optimizer] in
+        pycomm/zero/binding.py); its collectives carry the DDP's wire where it is in effect
+        (read self.wire before attaching: it is None after)."""
+        check_sharder(sharder)
+        if reduction is not None:
+            if self._sync.comm_hook is not None:
+                raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
+                                   "collective with a reduce-scatter; this DDP already has a "
+                                   "communication hook registered")
+            self.reducer.register_comm_hook(reduction.state, reduction.hook, pre_divided=True,
+                                            between_steps=True,
+                                            in_place_hook=reduction.in_place_hook)
+            self._sync.comm_hook = (reduction.state, reduction.hook)
+            self.reducer.set_release_gradients(reduction.release)
         self._sharder = weakref.ref(sharder)
 
     @property
-    def sharder(self) -> Optional[Any]:
+    def sharder(self) -> Optional[Sharder]:
         """The attached sharded optimizer, while it lives (attach_sharder), or None."""
         ref = getattr(self, "_sharder", None)
         return None if ref is None else ref()
+
+    def reduce_shards_in_place(self, on: bool) -> None:
+        """Whether the attached sharder's in_place_hook (ShardedReduction) reduces buckets
+        from the next backward on, over a pycomm shared-memory group; between backwards."""
+        self.reducer.set_comm_hook_in_place(on)
 
     @property
     def reduced_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -275,28 +298,27 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
         reducer's index order (bucket_indices() indexes this list)."""
         return list(self._named_params)
 
+    def bucket_indices(self) -> list[list[int]]:
+        """The reducer's buckets, in launch order: each a list of indices into
+        reduced_named_parameters, in slot order."""
+        return [list(b) for b in self.reducer.bucket_indices()]
+
+    def unused_parameters(self) -> list[int]:
+        """Indices (into reduced_named_parameters) of the parameters the last synchronized
+        step left unreduced because no rank used them (find_unused_parameters,
+        static_graph): their param.grad stayed as it was, as torch's DDP leaves it."""
+        return list(self.reducer.unused_parameters())
+
+    @property
+    def wire(self) -> Optional[Wire]:
+        """What the bucket all-reduce sends across hosts (DDPConfig.wire where the group
+        spans hosts, else fp32), or None while a communication hook reduces the buckets."""
+        return self.reducer.wire
+
     def rebuild_buckets_if_due(self) -> bool:
         """Re-cut the buckets now if the one re-cut after the first synchronized step is
         due (the next forward would run it); whether it ran. Collective."""
         return self._sync.rebuild_buckets_if_due()
-
-    def register_sharding_hook(self, state: object, hook: Callable,
-                               in_place_hook: Callable) -> None:
-        """pycomm.ZeroRedundancyOptimizer's communication hook: the reducer pre-divides
-        each gradient as without a hook, and the hook only sums (PythonCommHook's
-        pre_divided in csrc/reducer/comm_hook.h); `in_place_hook` is its form for
-        gradients reduced where they are, which the optimizer switches on
-        (reducer.set_comm_hook_in_place). Also between steps after training began (See
-        Note [Wrapped after the optimizer] in pycomm/zero/binding.py). The hook's
-        collectives carry the DDP's wire (DDPConfig.wire) where it is in effect: read
-        reducer.wire before registering, as it is None after."""
-        if self._sync.comm_hook is not None:
-            raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
-                               "collective with a reduce-scatter; this DDP already has a "
-                               "communication hook registered")
-        self.reducer.register_comm_hook(state, hook, pre_divided=True, between_steps=True,
-                                        in_place_hook=in_place_hook)
-        self._sync.comm_hook = (state, hook)
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _C, registry
+from ..ddp.sharding import ShardedReduction
 from . import layout as shard_layout
 from .hook import HookState, reduce_scatter_hook, reduce_scatter_in_place_hook
 
@@ -165,7 +166,7 @@ class DDPBinding:
 
     def _buckets(self) -> list[list[int]]:
         if self._ddp is not None:
-            return [list(b) for b in self._ddp.reducer.bucket_indices()]
+            return self._ddp.bucket_indices()
         order = list(reversed(range(len(self._params))))
         return [sorted(b) for b in _C.assign_buckets(self._params, order,
                                                      [_STANDALONE_BUCKET_BYTES])]
@@ -173,7 +174,6 @@ class DDPBinding:
     # ---- the DDP side -----------------------------------------------------------------
 
     def _attach(self, ddp) -> None:
-        ddp.attach_sharder(self)
         # Reduce-scatter where the backend has a real one: NCCL's, and pycomm's (shared
         # memory on one host; across hosts See Note [Hierarchical reduce-scatter and
         # all-gather] in csrc/shm/hier.h). Gloo's is an all-reduce per rank, so on Gloo
@@ -183,15 +183,16 @@ class DDPBinding:
         # no_sync's fp32 sums between steps (grad_reduce_dtype, Note [main_grad
         # accumulation]): then param.grad is the reduced bucket, as without sharding
         release = ddp.config.grad_reduce_dtype is None
-        self._hook_state = HookState(self, reduce_scatter, release)
+        self._hook_state = HookState(ddp, self._comm_group, self._index, reduce_scatter,
+                                     release)
         # See Note [One rank: nothing to shard]
         self._hooked = self.release_gradients and (
             self.world_size > 1 or ddp.config.grad_reduce_dtype is not None)
+        reduction = ShardedReduction(self._hook_state, reduce_scatter_hook,
+                                     reduce_scatter_in_place_hook, release)
+        ddp.attach_sharder(self, reduction if self._hooked else None)
         if self._hooked:
-            ddp.register_sharding_hook(self._hook_state, reduce_scatter_hook,
-                                       reduce_scatter_in_place_hook)
-            ddp.reducer.set_release_gradients(release)
-            self._hook_state.registered(ddp.reducer)
+            self._hook_state.registered(ddp)
         self._hook_handles = []
         self._map_modules()
         weak = weakref.ref(self)
@@ -322,7 +323,7 @@ class DDPBinding:
         if self._ddp is None:
             return [None if local[piece.param] is None else
                     local[piece.param][piece.lo:piece.hi] for _, piece, _ in self._pieces]
-        unused = set(self._ddp.reducer.unused_parameters())
+        unused = set(self._ddp.unused_parameters())
         if self._first_grads is not None:  # See Note [The first step's buckets]
             return self._first_runs(local, unused)
         kept, fresh = self._hook_state.grads, self._hook_state.fresh
@@ -336,9 +337,7 @@ class DDPBinding:
             if piece.param in unused:
                 runs.append(None)
                 continue
-            lo, _ = shard.mine
-            tail, _ = shard.tail
-            start = piece.flat - lo if piece.flat < tail else shard.shard + piece.flat - tail
+            start = shard.ranges.kept_offset(piece.flat)
             runs.append(flat[start:start + piece.numel])
         return runs
 

@@ -113,14 +113,14 @@ class FlatShards:
 
     def _gather(self) -> None:
         """All-gather every bucket's parameters, last bucket first."""
-        world, rank = self.world_size, self.rank
+        world = self.world_size
         self.gathers.begin_step()
         for shard in reversed(self._shards):
-            s = shard.shard
-            if world == 1 or s == 0:
+            ranges = shard.ranges
+            if world == 1 or ranges.shard == 0:
                 continue
             flat = self._flat[shard.index]
-            work = _all_gather(flat[:world * s], flat[rank * s:(rank + 1) * s],
+            work = _all_gather(flat[ranges.ranges], flat[ranges.mine],
                                group=self._comm_group, async_op=True)
             self._pending[shard.index] = work
             self.gathers.launched(shard.index, work)

@@ -4,13 +4,14 @@ binding.py), and what the hook keeps for the step (HookState)."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from .. import _C
-from .layout import split
+from .layout import Ranges
 
 # torch 2.13 renamed the tensor form (the old name warns); torch 2.11 has only the old one.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -22,33 +23,36 @@ class HookState:
     gradients; reused from step to step while the bucket keeps its size), and before the
     DDP's re-cut, per parameter, its whole averaged gradient."""
 
-    def __init__(self, zero: Any, reduce_scatter: bool, release: bool):
+    def __init__(self, ddp: Any, group: dist.ProcessGroup, index: dict[int, int],
+                 reduce_scatter: bool, release: bool):
+        """For the buckets of `ddp` (a pycomm DistributedDataParallel, read through its
+        public methods) over its gradient group `group`; `index`: id(parameter) -> reducer
+        index."""
         self.reduce_scatter = reduce_scatter
         self.release = release  # free the bucket's storage once its shard is kept
-        self.world = zero.world_size
-        self.rank = zero.rank
-        self.group = zero._comm_group
-        self.index = zero._index  # id(parameter) -> reducer index (the optimizer's)
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.group = group
+        self.index = index
         self.grads: dict[int, torch.Tensor] = {}
         self.fresh: set[int] = set()  # buckets reduced since the optimizer's zero_grad
         # See Note [The first step's buckets] in binding.py: False while a re-cut is
         # still to come (the DDP records its first step: not with find_unused_parameters
         # alone); until then whole buckets are all-reduced and each parameter's gradient
         # kept in `first`
-        ddp = zero._ddp
         self._final = ddp.config.find_unused_parameters and not ddp.config.static_graph
         self.first: dict[int, torch.Tensor] = {}
         # Once final, buckets whose gradients the reducer can leave where they are (over
         # pycomm's shared memory) are reduce-scattered from there (in_place_hook): with a
         # real reduce-scatter whose bucket is released anyway.
         self.in_place = reduce_scatter and release
-        self._reducer = None  # the DDP's, once the hooks are registered on it
+        self._ddp: Optional[weakref.ref] = None  # once the hooks are registered on it
         # The low-precision wire the DDP's buckets cross hosts in (DDPConfig.wire, where
         # the DDP's reducer puts it in effect: a group spanning hosts), which the bucket
         # collectives here carry too; None: float32. Its error-feedback residuals per
         # bucket index, restarted when the buckets are re-cut.
         self.wire: Optional[_C.Wire] = None
-        wire = ddp.reducer.wire  # None under a comm hook: none is registered yet
+        wire = ddp.wire  # None under a comm hook: none is registered yet
         if wire is not None and not wire.exact:
             self.wire = wire
             self.backend = self.group._get_backend(torch.device("cpu"))
@@ -62,12 +66,14 @@ class HookState:
     def final(self, value: bool) -> None:
         self._final = value
         self.residuals.clear()  # the buckets are re-cut
-        if self._reducer is not None:
-            self._reducer.set_comm_hook_in_place(value and self.in_place)
+        ddp = None if self._ddp is None else self._ddp()
+        if ddp is not None:
+            ddp.reduce_shards_in_place(value and self.in_place)
 
-    def registered(self, reducer: Any) -> None:
-        """The hooks are on `reducer`: its in-place form follows `final` from now on."""
-        self._reducer = reducer
+    def registered(self, ddp: Any) -> None:
+        """The hooks are on `ddp`'s reducer: its in-place form follows `final` from now on.
+        Held weakly (the reducer holds this state)."""
+        self._ddp = weakref.ref(ddp)
         self.final = self._final
 
     def clear(self) -> None:
@@ -109,8 +115,7 @@ def _kept(state: HookState, index: int, buf: torch.Tensor) -> tuple[torch.Tensor
     """What the rank keeps of bucket `index` (buffer `buf`): its range and the tail, back to
     back, reused from step to step; and whether this backward's sums add to it (it holds
     an earlier synchronized backward's since the optimizer's zero_grad)."""
-    s, tail = split(buf.numel(), state.world)
-    mine = s + tail
+    mine = Ranges.of(buf.numel(), state.world, state.rank).kept
     out = state.grads.get(index)
     if out is None or out.numel() != mine or out.dtype != buf.dtype:
         out = state.grads[index] = torch.empty(mine, dtype=buf.dtype, device=buf.device)
@@ -125,8 +130,8 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     the averages; the rank keeps its range and the tail (added to what it kept since
     zero_grad, as param.grad accumulates over several synchronized backwards)."""
     buf = bucket.buffer()
-    world, rank, group = state.world, state.rank, state.group
-    s, _ = split(buf.numel(), world)
+    group = state.group
+    ranges = Ranges.of(buf.numel(), state.world, state.rank)
     index = bucket.index()
     if not state.final:  # See Note [The first step's buckets] in binding.py
         members = [(state.index[id(p)], p.numel()) for p in bucket.parameters()]
@@ -158,15 +163,16 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     futures = []
     if state.reduce_scatter:
         wire = _wire_args(state, index, buf)
-        range_out = out[:s] if direct else buf[rank * s:(rank + 1) * s]
-        if s and wire is not None:
-            futures.append(state.backend.reduce_scatter_wire(range_out, buf[:world * s], **wire))
-        elif s:
-            futures.append(_reduce_scatter(range_out, buf[:world * s], group=group,
+        range_out = out[ranges.kept_mine] if direct else buf[ranges.mine]
+        if ranges.shard and wire is not None:
+            futures.append(state.backend.reduce_scatter_wire(range_out, buf[ranges.ranges],
+                                                             **wire))
+        elif ranges.shard:
+            futures.append(_reduce_scatter(range_out, buf[ranges.ranges], group=group,
                                            async_op=True).get_future())
         # the tail, fewer elements than ranks, in float32
-        if buf.numel() > world * s:
-            futures.append(dist.all_reduce(buf[world * s:], group=group,
+        if ranges.tail_numel:
+            futures.append(dist.all_reduce(buf[ranges.tail], group=group,
                                            async_op=True).get_future())
     elif buf.numel():
         futures.append(dist.all_reduce(buf, group=group, async_op=True).get_future())
@@ -174,9 +180,9 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
     def keep(fut):
         if fut is not None:
             _raise_failure(fut)
-        pairs = [(out[s:], buf[world * s:])]
+        pairs = [(out[ranges.kept_tail], buf[ranges.tail])]
         if not direct:
-            pairs.append((out[:s], buf[rank * s:(rank + 1) * s]))
+            pairs.append((out[ranges.kept_mine], buf[ranges.mine]))
         for dst, src in pairs:
             dst.add_(src) if add else dst.copy_(src)
         state.fresh.add(index)

@@ -63,6 +63,55 @@ def split(n: int, world: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class Ranges:
+    """Where `rank`'s elements are in a flat run of `numel` cut over `world` ranks: its
+    range `mine`, the `tail` (the last rank's), as slices of the run; `shard` (S)
+    elements in every rank's range. The one place slices of a bucket come from."""
+    numel: int
+    world: int
+    rank: int
+    shard: int
+    tail_numel: int
+
+    @classmethod
+    def of(cls, numel: int, world: int, rank: int) -> Ranges:
+        return cls(numel, world, rank, *split(numel, world))
+
+    @property
+    def mine(self) -> slice:
+        return slice(self.rank * self.shard, (self.rank + 1) * self.shard)
+
+    @property
+    def ranges(self) -> slice:
+        """Every rank's range, back to back (what a reduce-scatter or all-gather moves)."""
+        return slice(0, self.world * self.shard)
+
+    @property
+    def tail(self) -> slice:
+        return slice(self.world * self.shard, self.numel)
+
+    @property
+    def kept(self) -> int:
+        """Elements a rank keeps of the run with released gradients: its range, then the
+        tail (hook.py's HookState.grads); kept_mine and kept_tail slice them."""
+        return self.shard + self.tail_numel
+
+    @property
+    def kept_mine(self) -> slice:
+        return slice(0, self.shard)
+
+    @property
+    def kept_tail(self) -> slice:
+        return slice(self.shard, self.kept)
+
+    def kept_offset(self, element: int) -> int:
+        """Where element `element` of the run (in this rank's range or the tail) sits in
+        what the rank keeps."""
+        tail = self.tail.start
+        return element - self.mine.start if element < tail else self.shard + element - tail
+
+
+@dataclass(frozen=True)
 class Piece:
     """A run of one parameter's elements that one rank steps: param elements [lo, hi),
     bucket elements [flat, flat + hi - lo)."""
@@ -87,25 +136,32 @@ class BucketShard:
     world: int
     rank: int
     pieces: list[Piece] = field(default_factory=list)  # this rank's: range (then the tail)
-    shard: int = field(init=False)  # S: elements of each rank's range
-    tail_numel: int = field(init=False)
+    ranges: Ranges = field(init=False)
 
     def __post_init__(self) -> None:
-        self.shard, self.tail_numel = split(self.numel, self.world)
+        self.ranges = Ranges.of(self.numel, self.world, self.rank)
+
+    @property
+    def shard(self) -> int:
+        """S: elements of each rank's range."""
+        return self.ranges.shard
+
+    @property
+    def tail_numel(self) -> int:
+        return self.ranges.tail_numel
 
     @property
     def kept(self) -> int:
-        """Elements of the gradients a rank keeps with released gradients: its range and
-        the tail, back to back (hook.py's HookState.grads)."""
-        return self.shard + self.tail_numel
+        """Elements of the gradients a rank keeps with released gradients (Ranges.kept)."""
+        return self.ranges.kept
 
     @property
     def mine(self) -> tuple[int, int]:
-        return self.rank * self.shard, (self.rank + 1) * self.shard
+        return self.ranges.mine.start, self.ranges.mine.stop
 
     @property
     def tail(self) -> tuple[int, int]:
-        return self.world * self.shard, self.numel
+        return self.ranges.tail.start, self.ranges.tail.stop
 
     @property
     def tail_owner(self) -> int:

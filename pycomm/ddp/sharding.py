@@ -1,0 +1,71 @@
+"""The two sides of sharding on a pycomm DistributedDataParallel, named so that neither
+reads the other's private names (See Note [Sharding on the reducer] in
+pycomm/zero/binding.py):
+- Sharder: what the DDP asks of the sharded optimizer attached to it (its forward waits
+  for the optimizer's parameter all-gathers, its clip and pycomm's ask it for the norm
+  where the gradients live in its shards, join waits for its all-gathers);
+- ShardedReduction: what the optimizer asks of the DDP's reducer, given whole when it
+  attaches (its communication hook, the hook's form for gradients reduced where they
+  are, whether the reducer drops each gradient once it is in its bucket).
+The optimizer reads the DDP through its public methods only (bucket_indices,
+unused_parameters, wire, gradient_group, reduced_named_parameters, synced_grad,
+rebuild_buckets_if_due, reduce_shards_in_place)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class Sharder(Protocol):
+    """An optimizer that shards a DDP's parameters (pycomm.ZeroRedundancyOptimizer)."""
+
+    @property
+    def grads_in_shards(self) -> bool:
+        """Whether the averaged gradients live in the shards rather than in param.grad:
+        then the clips ask the sharder for the norm."""
+
+    def covers(self, params: list[torch.Tensor]) -> bool:
+        """Whether `params` are all parameters it shards (or frozen ones)."""
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        parameters: Optional[Iterable[torch.Tensor]] = None) -> torch.Tensor:
+        """Clip the gradients in its shards by their global norm (collective)."""
+
+    def before_module_call(self, compiled: bool) -> None:
+        """The DDP's forward, before it calls its module."""
+
+    def wait_for_params(self) -> None:
+        """Every pending parameter all-gather done."""
+
+
+@dataclass(frozen=True)
+class ShardedReduction:
+    """How the DDP's reducer reduces each bucket for a sharder that keeps the averaged
+    gradients itself. The reducer pre-divides each gradient by the world size as it
+    copies it into the bucket (as without a hook), so `hook` only sums:
+    hook(state, dist.GradBucket) -> Future (torch's protocol); in_place_hook(state,
+    bucket, reduce_into) -> Future is its form for gradients reduced where they are
+    (PythonCommHook in csrc/reducer/comm_hook.h), used once the DDP is told
+    reduce_shards_in_place(True). `release`: the reducer drops each gradient once it is in
+    its bucket (Note [Released gradients] in csrc/reducer/launch.cpp)."""
+    state: Any
+    hook: Callable[..., Any]
+    in_place_hook: Callable[..., Any]
+    release: bool
+
+
+def check_sharder(sharder: Any) -> None:
+    """A TypeError naming what `sharder` lacks of the Sharder protocol."""
+    if isinstance(sharder, Sharder):
+        return
+    missing = [name for name in ("grads_in_shards", "covers", "clip_grad_norm_",
+                                 "before_module_call", "wait_for_params")
+               if not hasattr(sharder, name)]
+    raise TypeError(f"attach_sharder: a {type(sharder).__name__} is not a sharder "
+                    f"(pycomm.ddp.sharding.Sharder): it has no {', '.join(missing)}")
