@@ -94,6 +94,19 @@ py::tuple option_names() {
   return py::tuple(names);
 }
 
+py::dict plan_dict(const Reducer& r) {
+  const reducer::Plan& plan = r.plan();
+  py::list paths;
+  for (const auto path : plan.paths) paths.append(reducer::path_name(path));
+  py::dict d;
+  d["sharding"] = reducer::sharding_name(plan.sharding);
+  d["wire"] = plan.wire.has_value() ? py::cast(*plan.wire) : py::none();
+  d["releases"] = plan.releases;
+  d["reducer_averages"] = plan.reducer_averages;
+  d["paths"] = std::move(paths);
+  return d;
+}
+
 // Python drops its last reference to a Reducer with the GIL held; ~Reducer may wait on
 // launched collectives whose completion runs Python (a comm hook's future callbacks), so
 // the GIL is released around the delete, else that wait deadlocks.
@@ -133,6 +146,11 @@ void bind_reducer_functions(py::module& m) {
 }  // namespace
 
 void bind_reducer(py::module& m) {
+  py::enum_<reducer::Sharding>(m, "Sharding",
+                               "Who keeps the reduced gradients (See Note [The reducer's plan])")
+      .value("NONE", reducer::Sharding::kNone)
+      .value("OPTIMIZER_STATE", reducer::Sharding::kOptimizerState)
+      .value("RELEASED", reducer::Sharding::kReleased);
   bind_bucket_norms(m);
   bind_local_clip(m);
   bind_reducer_functions(m);
@@ -163,27 +181,34 @@ void bind_reducer(py::module& m) {
            "[(address, 'hostname: ranks ...')] per host, named in failure messages")
       .def(
           "register_comm_hook",
-          [](Reducer& r, py::object state, py::object hook, bool pre_divided, bool between_steps,
-             py::object in_place_hook) {
+          [](Reducer& r, py::object state, py::object hook) {
             r.set_comm_hook(std::make_unique<reducer::PythonCommHook>(std::move(state),
-                                                                      std::move(hook), pre_divided,
-                                                                      std::move(in_place_hook),
-                                                                      r.process_group()),
-                            between_steps);
+                                                                      std::move(hook)));
           },
-          py::arg("state"), py::arg("hook"), py::arg("pre_divided") = false,
-          py::arg("between_steps") = false, py::arg("in_place_hook") = py::none(),
-          "pre_divided: the reducer scales each gradient by 1/world into the bucket and the "
-          "hook only sums (See PythonCommHook in csrc/reducer/comm_hook.h); between_steps: "
-          "also after the first backward, while none runs (Reducer::set_comm_hook); "
-          "in_place_hook: the hook's form for gradients reduced where they are, used once "
-          "set_comm_hook_in_place(True)")
-      .def("set_comm_hook_in_place", &Reducer::set_comm_hook_in_place, py::arg("on"),
-           "whether the registered hook's in_place_hook reduces buckets from the next backward "
-           "on (over a pycomm shared-memory group)")
-      .def("has_comm_hook", &Reducer::has_python_comm_hook)
-      .def("set_release_gradients", &Reducer::set_release_gradients, py::arg("release"),
-           "See Note [Released gradients] in csrc/reducer/launch.cpp")
+          py::arg("state"), py::arg("hook"),
+          "a user's hook (torch's protocol), before the first backward, once")
+      .def(
+          "attach_sharding",
+          [](Reducer& r, reducer::Sharding sharding, py::object state, py::object hook,
+             py::object in_place_hook, bool in_place) {
+            std::unique_ptr<reducer::CommHook> shard_hook;
+            if (!hook.is_none()) {
+              shard_hook = std::make_unique<reducer::ShardHook>(std::move(state), std::move(hook),
+                                                                std::move(in_place_hook),
+                                                                r.process_group(), in_place);
+            }
+            r.attach_sharding(sharding, std::move(shard_hook));
+          },
+          py::arg("sharding"), py::arg("state") = py::none(), py::arg("hook") = py::none(),
+          py::arg("in_place_hook") = py::none(), py::arg("in_place") = false,
+          "A sharder attaches, whole (See Note [The reducer's plan] in "
+          "csrc/reducer/plan.h): its mode, and with Sharding.RELEASED the hook that keeps "
+          "each bucket's range (ShardHook in csrc/reducer/comm_hook.h), with its in-place "
+          "form used when `in_place`; between steps")
+      .def_property_readonly("plan", &plan_dict,
+                             "the reducer's plan (See Note [The reducer's plan]): sharding, "
+                             "wire, releases, reducer_averages, and per bucket its path")
+      .def("has_comm_hook", &Reducer::has_comm_hook)
       .def("unused_parameters", &Reducer::unused_parameters)
       .def(
           "add_pre_launch",

@@ -138,22 +138,28 @@ FuturePtr AllreduceSumHook::finish(const comm::WorkPtr& work) {
   return work->getFuture();
 }
 
-PythonCommHook::PythonCommHook(py::object state, py::object hook, bool pre_divided,
-                               py::object in_place_hook, const comm::ProcessGroupPtr& pg)
-    : state_(std::move(state)),
-      hook_(std::move(hook)),
-      pre_divided_(pre_divided),
-      in_place_hook_(std::move(in_place_hook)) {
-  if (!in_place_hook_.is_none() && pg) {
-    backend_ = comm::cpu_backend(pg);
-    bucket_ops_ = comm::bucket_allreduce(backend_);
-  }
-}
+PythonCommHook::PythonCommHook(py::object state, py::object hook)
+    : state_(std::move(state)), hook_(std::move(hook)) {}
 
 PythonCommHook::~PythonCommHook() {
   py::gil_scoped_acquire gil;
   state_ = py::object();
   hook_ = py::object();
+}
+
+ShardHook::ShardHook(py::object state, py::object hook, py::object in_place_hook,
+                     const comm::ProcessGroupPtr& pg, bool in_place)
+    : PythonCommHook(std::move(state), std::move(hook)),
+      in_place_hook_(std::move(in_place_hook)),
+      in_place_(in_place && !in_place_hook_.is_none()) {
+  if (in_place_ && pg) {
+    backend_ = comm::cpu_backend(pg);
+    bucket_ops_ = comm::bucket_allreduce(backend_);
+  }
+}
+
+ShardHook::~ShardHook() {
+  py::gil_scoped_acquire gil;
   in_place_hook_ = py::object();
 }
 
@@ -167,7 +173,6 @@ py::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
   return py::cast(std::move(grad_bucket));
 }
 
-// The hook's call (`body`, under the GIL) and its future, errors naming the bucket.
 FuturePtr PythonCommHook::call(Bucket& bucket, const std::function<py::object()>& body) {
   py::gil_scoped_acquire gil;
   try {
@@ -191,10 +196,10 @@ FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
   });
 }
 
-FuturePtr PythonCommHook::run_in_place(Bucket& bucket, size_t bucket_count,
-                                       const std::vector<at::Tensor>& params,
-                                       std::vector<at::Tensor> grads, double scale,
-                                       const comm::OpLabel& label) {
+FuturePtr ShardHook::run_in_place(Bucket& bucket, size_t bucket_count,
+                                  const std::vector<at::Tensor>& params,
+                                  std::vector<at::Tensor> grads, double scale,
+                                  const comm::OpLabel& label) {
   TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
               ": in-place reduction needs a pycomm shared-memory group");
   return call(bucket, [&] {

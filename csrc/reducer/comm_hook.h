@@ -103,40 +103,48 @@ class AllreduceSumHook final : public CommHook {
   FuturePtr step_label_;  // begin_step's exchange, until the next run takes it
 };
 
-class PythonCommHook final : public CommHook {
+// A user's communication hook, torch's protocol: hook(state, dist.GradBucket) ->
+// torch.futures.Future[Tensor]; the hook averages (torch's hooks divide).
+class PythonCommHook : public CommHook {
  public:
-  // `pre_divided`: the reducer scales each gradient by 1/world as it copies it into the
-  // bucket, as without a hook, and the hook only sums (pycomm.ZeroRedundancyOptimizer's:
-  // DDP's numerics, no overflow of a low-precision sum); torch's hooks divide themselves.
-  // `in_place_hook` (None: none; pycomm.ZeroRedundancyOptimizer's): the hook of a bucket
-  // whose gradients stay where they are (Note [Gradients reduced in place] in
-  // reducer/in_place.cpp), in_place_hook(state, bucket, reduce_into) -> Future, where
-  // reduce_into(out) starts the reduce-scatter of the gradients as one buffer into `out`
-  // (this rank's range, then the tail every rank gets: comm::BucketAllreduce's
-  // reduce_scatter_pieces on `pg`) and returns its torch.futures.Future; used while
-  // set_in_place(true) and `pg`'s CPU backend offers it.
-  PythonCommHook(pybind11::object state, pybind11::object hook, bool pre_divided = false,
-                 pybind11::object in_place_hook = pybind11::none(),
-                 const comm::ProcessGroupPtr& pg = nullptr);
+  PythonCommHook(pybind11::object state, pybind11::object hook);
   ~PythonCommHook() override;
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
-  bool reducer_divides() const override { return pre_divided_; }
-  bool reduces_in_place() const override { return in_place_ && bucket_ops_ != nullptr; }
-  FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
-                         std::vector<at::Tensor> grads, double scale,
-                         const comm::OpLabel& label) override;
-  // Whether buckets use in_place_hook from the next backward on (the reducer's lock held).
-  void set_in_place(bool on) { in_place_ = on && !in_place_hook_.is_none(); }
+  bool reducer_divides() const override { return false; }
 
- private:
+ protected:
+  // The hook's call (`body`, under the GIL) and its future, errors naming the bucket.
   FuturePtr call(Bucket& bucket, const std::function<pybind11::object()>& body);
 
   pybind11::object state_;
   pybind11::object hook_;
-  bool pre_divided_;
+};
+
+// A sharder's hook (pycomm.ZeroRedundancyOptimizer's, attached with Sharding::kReleased):
+// the reducer scales each gradient by 1/world as it copies it into the bucket, as without a
+// hook, and the hook only sums (DDP's numerics, no overflow of a low-precision sum).
+// `in_place_hook` is its form for a bucket whose gradients stay where they are (Note
+// [Gradients reduced in place] in reducer/in_place.cpp), in_place_hook(state, bucket,
+// reduce_into) -> Future, where reduce_into(out) starts the reduce-scatter of the gradients
+// as one buffer into `out` (this rank's range, then the tail every rank gets:
+// comm::BucketAllreduce's reduce_scatter_pieces on `pg`) and returns its
+// torch.futures.Future; used when `in_place` (the sharder's shards are final) and `pg`'s CPU
+// backend offers it.
+class ShardHook final : public PythonCommHook {
+ public:
+  ShardHook(pybind11::object state, pybind11::object hook, pybind11::object in_place_hook,
+            const comm::ProcessGroupPtr& pg, bool in_place);
+  ~ShardHook() override;
+  bool reducer_divides() const override { return true; }
+  bool reduces_in_place() const override { return in_place_ && bucket_ops_ != nullptr; }
+  FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
+                         std::vector<at::Tensor> grads, double scale,
+                         const comm::OpLabel& label) override;
+
+ private:
   pybind11::object in_place_hook_;
-  bool in_place_ = false;
+  bool in_place_;
   c10::intrusive_ptr<c10d::Backend> backend_;    // keeps bucket_ops_ alive
   comm::BucketAllreduce* bucket_ops_ = nullptr;  // what backend_ offers, if it does
 };

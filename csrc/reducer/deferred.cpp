@@ -20,6 +20,7 @@ void Reducer::set_launch_gate(LaunchGate gate) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(state_ != State::kBackward, "cannot set a launch gate during backward");
   gate_ = std::move(gate);
+  replan();
 }
 
 void Reducer::open_launch_gate() {
@@ -29,7 +30,7 @@ void Reducer::open_launch_gate() {
   std::vector<at::Tensor> buffers;
   buffers.reserve(layout_.size());
   for (const auto& bucket : layout_.buckets()) buffers.push_back(bucket->buffer);
-  const double divide = hook_->reducer_divides() ? 1.0 / static_cast<double>(div_factor_) : 1.0;
+  const double divide = plan_.reducer_averages ? 1.0 / static_cast<double>(div_factor_) : 1.0;
   try {
     gate_(buffers, divide);
   } catch (...) {

@@ -22,9 +22,9 @@ namespace pycomm::reducer {
 // It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place)
 // and on any group of one rank (Note [One rank reduces nothing] in comm_hook.cpp),
 // and to pycomm.ZeroRedundancyOptimizer's reduce-scatter once its shards are final (its
-// Python hook's in-place form, Note [Pieces reduce-scatter] in shm/collectives.cpp: the
-// gradients are only read, the rank's range lands in the optimizer's shard), when nothing
-// else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
+// hook's in-place form, ShardHook in comm_hook.h, Note [Pieces reduce-scatter] in
+// shm/collectives.cpp: the gradients are only read, the rank's range lands in the optimizer's
+// shard), when nothing else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
 // is the bucket there), another comm hook, a bucket callback that reads the buffer, a launch
 // gate, batched_grad_copy, find_unused_parameters or static_graph (an unused parameter's
 // slot is zeros that param.grad does not have), grad_reduce_dtype (the wide copy is the bucket),
@@ -51,6 +51,9 @@ namespace pycomm::reducer {
 // gradient_as_bucket_view: autograd does not touch them again in this backward (a second
 // gradient for a parameter is an error there), but a later hook of the user's on the same
 // parameter would see the reduction under way, not the local gradient.
+//
+// What depends on the options, the hook and the extension points alone is read once per
+// plan (Note [The reducer's plan]); a step checks only its gradients.
 bool Reducer::in_place_allowed() const {
   const ReducerOptions& o = options_;
   return o.in_place_reduction && hook_->reduces_in_place() && !gate_ && pre_launch_.empty() &&

@@ -36,12 +36,12 @@ void Reducer::begin_backward_locked() {
   timing_.begin_step(layout_.device());
   scale_value_ = 1.0 / static_cast<double>(div_factor_);
   scale_ = at::native::wrapped_scalar_tensor(scale_value_);
-  // See Note [Bucket paths] in bucket.h: each bucket's, once for the step
-  const bool allowed = in_place_allowed() && !grads_share_memory();
+  // See Note [Bucket paths] in bucket.h: the plan's, unless two of this step's gradients
+  // share memory (Note [Gradients reduced in place])
+  const bool shared = plan_.any_in_place && grads_share_memory();
   for (auto& bucket : layout_.buckets()) {
-    const bool here = allowed && hook_->reduces_in_place_on(bucket->buffer);
-    bucket->path = release_grads_ ? (here ? BucketPath::kReleasedInPlace : BucketPath::kReleased)
-                                  : (here ? BucketPath::kInPlace : BucketPath::kBuffer);
+    const BucketPath planned = plan_.paths[bucket->index];
+    bucket->path = shared ? through_buffer(planned) : planned;
   }
   queue_finalize();
   for (size_t index : usage_.unused()) ++layout_.bucket_of(index).unused;
@@ -96,10 +96,10 @@ void Reducer::mark_ready(size_t index, bool used) {
 // folded into the copy (mul_out by 1/world) unless a hook averages; a grad that already
 // is the bucket view is divided in place.
 // Note [Released gradients]
-// With set_release_gradients(true) (pycomm.ZeroRedundancyOptimizer, which reads each
-// bucket's reduced shard out of it in its communication hook and then frees the bucket's
-// storage), gradient memory follows the step instead of staying whole: a bucket whose
-// storage was freed gets it back (the same storage, resized, so its views stay valid) when
+// Where the plan releases (Plan::releases: pycomm.ZeroRedundancyOptimizer attached in
+// Sharding::kReleased, whose hook reads each bucket's reduced shard out of it and then
+// frees the bucket's storage), gradient memory follows the step instead of staying whole: a bucket
+// whose storage was freed gets it back (the same storage, resized, so its views stay valid) when
 // the first gradient of a step is copied into it; a parameter's gradient is dropped once
 // it is copied into its bucket (param.grad is None again); finalize leaves param.grad
 // alone. At any moment a rank holds the gradients not yet copied, the buckets filling or
@@ -160,7 +160,7 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   }
 }
 
-// A bucket reduced where its gradients are, with set_release_gradients(true): its
+// A bucket reduced where its gradients are, where the plan releases (Plan::releases): its
 // parameters' gradients are dropped once its collective is done (Note [Released
 // gradients]). Under the GIL: Python code (a user's hook on another parameter, say) may
 // read param.grad meanwhile, and the GIL orders that read and this write.
@@ -212,7 +212,7 @@ void Reducer::flush_batched(Bucket& bucket) {
     }
     bucket.deferred.clear();
   }
-  if (hook_->reducer_divides() && !gate_) bucket.buffer.div_(div_factor_);  // gate: it divides
+  if (plan_.reducer_averages && !gate_) bucket.buffer.div_(div_factor_);  // gate: it divides
 }
 
 // Note [Inline collectives]

@@ -85,17 +85,12 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
   for (const auto& bucket : layout_.buckets()) {
     const size_t first = bucket->params.front();
     const auto dtype = bucket->buffer.scalar_type();
-    hook_->wire()->check_carries(
+    plan_.wire->check_carries(
         dtype, "parameter '" + names_[first] + "'" +
                    (params_[first].scalar_type() == dtype ? " is " : " is reduced in ") +
                    shm::dtype_name(dtype) + " (bucket " + std::to_string(bucket->index) + ")");
   }
   install_hooks();
-}
-
-std::optional<comm::Wire> Reducer::wire() const {
-  const comm::Wire* wire = hook_->wire();
-  return wire != nullptr ? std::optional<comm::Wire>(*wire) : std::nullopt;
 }
 
 Reducer::~Reducer() {
@@ -138,6 +133,7 @@ void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment
   main_grads_.restore(layout_, sums);
   recorder_.note_rebuilt();
   reset_step();
+  replan();
 }
 
 at::Tensor Reducer::grad_view(size_t index) const {
@@ -212,35 +208,46 @@ std::string Reducer::prepare_no_sync() {
   return note;
 }
 
-void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps) {
+void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(!python_hook_, "a communication hook is already registered; register it once");
-  TORCH_CHECK(step_ == 0 || (between_steps && state_ != State::kBackward),
-              between_steps ? "register the communication hook between steps, not during a "
-                              "backward"
-                            : "register the communication hook before the first backward");
-  python_hook_ = dynamic_cast<PythonCommHook*>(hook.get()) != nullptr;
+  TORCH_CHECK(plan_.wire.has_value(), "a communication hook is already registered",
+              plan_.sharding == Sharding::kReleased ? " (the sharded optimizer's)" : "",
+              "; register it once");
+  TORCH_CHECK(step_ == 0, "register the communication hook before the first backward");
   hook_ = std::move(hook);
+  replan();
 }
 
-void Reducer::set_comm_hook_in_place(bool on) {
+void Reducer::attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(state_ != State::kBackward,
-              "switch the communication hook's in-place form between steps, not during a backward");
-  auto* hook = dynamic_cast<PythonCommHook*>(hook_.get());
-  TORCH_CHECK(hook != nullptr, "no Python communication hook is registered");
-  hook->set_in_place(on);
+  TORCH_CHECK(state_ != State::kBackward, "attach a sharder between steps, not during a backward");
+  TORCH_CHECK((sharding == Sharding::kReleased) == (hook != nullptr),
+              "attach_sharding: a hook comes with the released mode, and only with it");
+  // A user's hook stays under a sharder that keeps the gradients whole; one that keeps
+  // its range replaces the reduction, which a user's hook owns.
+  TORCH_CHECK(!hook || plan_.wire.has_value() || plan_.sharding == Sharding::kReleased,
+              "a communication hook is registered on this DDP; a sharder cannot replace it");
+  if (hook) {
+    hook_ = std::move(hook);
+  } else if (plan_.sharding == Sharding::kReleased) {  // its hook goes: the default again
+    hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
+                                               options_.wire_format);
+  }
+  plan_.sharding = sharding;
+  replan();
 }
 
 void Reducer::add_pre_launch(BucketCallback callback) {
   std::lock_guard<std::mutex> lock(mutex_);
   pre_launch_.push_back(std::move(callback));
+  replan();
 }
 
 void Reducer::add_post_done(BucketCallback callback, bool reads_buffer) {
   std::lock_guard<std::mutex> lock(mutex_);
   post_done_.push_back(std::move(callback));
   post_done_reads_buffer_ = post_done_reads_buffer_ || reads_buffer;
+  replan();
 }
 
 void Reducer::set_divide_factor(int64_t factor) {

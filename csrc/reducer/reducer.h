@@ -31,6 +31,7 @@
 #include "reducer/bucket.h"
 #include "reducer/comm_hook.h"
 #include "reducer/main_grad.h"
+#include "reducer/plan.h"
 #include "reducer/rebuild.h"
 #include "reducer/timeline.h"
 #include "reducer/usage.h"
@@ -132,25 +133,26 @@ class Reducer {
   // [Gradient groups] in rebuild.cpp): equal ids were produced by one autograd node.
   std::vector<int64_t> ready_groups() const;
 
-  // Before the first backward, as torch's; with between_steps also later, while no
-  // backward is running (the sharded optimizer adopting a DDP built after it: Note
-  // [Wrapped after the optimizer] in pycomm/zero/binding.py). Which path a bucket takes
-  // is decided per step, at its first hook.
-  void set_comm_hook(std::unique_ptr<CommHook> hook, bool between_steps = false);
-  // Whether the Python hook's in-place form reduces buckets from the next backward on
-  // (See PythonCommHook in comm_hook.h); between backwards.
-  void set_comm_hook_in_place(bool on);
-  bool has_python_comm_hook() const { return python_hook_; }
+  // A user's communication hook (torch's protocol): before the first backward, once, as
+  // torch's; not with a sharder's hook.
+  void set_comm_hook(std::unique_ptr<CommHook> hook);
+  // A sharder attaches (pycomm.ZeroRedundancyOptimizer; See Note [The reducer's plan]):
+  // its mode, and with kReleased the hook that reduces each bucket and keeps its range.
+  // Also between steps once training began (Note [Wrapped after the optimizer] in
+  // pycomm/zero/binding.py), and again to replace its hook (its in-place form, once its
+  // shards are final), never during a backward.
+  void attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook);
+  const Plan& plan() const { return plan_; }
+  // Whether a communication hook (a user's or a sharder's) reduces the buckets.
+  bool has_comm_hook() const { return !plan_.wire.has_value(); }
   // What the default all-reduce sends across hosts (fp32 where the group spans no hosts),
   // or nullopt while a communication hook reduces the buckets.
-  std::optional<comm::Wire> wire() const;
+  std::optional<comm::Wire> wire() const { return plan_.wire; }
   // Elements of the label each synchronized step exchanges before its first bucket (See
   // Note [Step labels over the group] in comm/step_label.cpp); 0: none.
   int64_t step_label_elements() const {
     return layout_.device().is_cpu() ? hook_->step_label_elements() : 0;
   }
-  // See Note [Released gradients] in launch.cpp; set by a sharding optimizer.
-  void set_release_gradients(bool release) { release_grads_ = release; }
   // Reducer indices of the parameters the last synchronized step left unreduced because
   // no rank used them (find_unused_parameters, static_graph): their param.grad stays as
   // it was, as torch's DDP leaves it.
@@ -218,8 +220,10 @@ class Reducer {
   std::string reduced_in_place_note() const;
   bool skips(const Bucket& bucket) const;
   void flush_batched(Bucket& bucket);
+  // See Note [The reducer's plan]; under mutex_.
+  void replan();
   // in_place.cpp (See Note [Gradients reduced in place]).
-  bool in_place_allowed() const;
+  bool in_place_allowed() const;  // by the options and extension points (replan reads it)
   bool grads_share_memory() const;
   bool keeps_in_place(Bucket& bucket, size_t slot);
   bool qualifies_in_place(const Bucket& bucket, size_t slot) const;
@@ -231,9 +235,7 @@ class Reducer {
   // lazy_bucket_allocation: whether `bucket` gives its buffer's memory back after finalize
   // (a buffer that is no parameter's grad or main_grad). See Note [Bucket memory].
   bool lends_buffer(const Bucket& bucket) const;
-  bool divides_in_copy() const {
-    return hook_->reducer_divides() && !gate_ && !options_.batched_grad_copy;
-  }
+  bool divides_in_copy() const { return plan_.divides_in_copy; }
   void open_launch_gate();
   // Whether a plain copy from or into `grad` may stream (options, and no create_graph).
   bool streams(const at::Tensor& grad) const {
@@ -253,12 +255,11 @@ class Reducer {
 
   // Extension points.
   std::unique_ptr<CommHook> hook_;
-  bool python_hook_ = false;
-  bool release_grads_ = false;  // See Note [Released gradients]
   std::vector<BucketCallback> pre_launch_;
   std::vector<BucketCallback> post_done_;
   bool post_done_reads_buffer_ = false;
   LaunchGate gate_;
+  Plan plan_;  // See Note [The reducer's plan]; replan() writes it
 
   // The parts (see the top of this file); guarded by mutex_ like the rest.
   BucketLayout layout_;

@@ -256,29 +256,28 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
 
     # ---- sharding (pycomm.ZeroRedundancyOptimizer) ------------------------------------
 
-    def attach_sharder(self, sharder: Sharder,
-                       reduction: Optional[ShardedReduction] = None) -> None:
+    def attach_sharder(self, sharder: Sharder, reduction: ShardedReduction) -> None:
         """The sharded optimizer over this DDP's parameters (pycomm.ZeroRedundancyOptimizer
         attaches itself when it is built on the DDP, or moves onto it; See
         pycomm/ddp/sharding.py for both sides). The DDP's forward waits for its pending
         parameter all-gathers (before_module_call), the DDP's clip asks it for the norm
         where the gradients live in its shards (grads_in_shards, clip_grad_norm_), and
         join waits for its all-gathers (wait_for_params). Held weakly; a later one replaces
-        it. With `reduction` the reducer reduces each bucket as it says (also between steps
-        after training began: See Note [Wrapped after the optimizer] in
-        pycomm/zero/binding.py); its collectives carry the DDP's wire where it is in effect
-        (read self.wire before attaching: it is None after)."""
+        it. The reducer replans from `reduction` (Note [The reducer's plan] in
+        csrc/reducer/plan.h), also between steps after training began (See Note [Wrapped
+        after the optimizer] in pycomm/zero/binding.py); the sharder attaches again, whole,
+        to change it. A released hook's collectives carry the DDP's wire where it is in
+        effect (read self.wire before attaching: it is None after)."""
         check_sharder(sharder)
-        if reduction is not None:
-            if self._sync.comm_hook is not None:
-                raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
-                                   "collective with a reduce-scatter; this DDP already has a "
-                                   "communication hook registered")
-            self.reducer.register_comm_hook(reduction.state, reduction.hook, pre_divided=True,
-                                            between_steps=True,
-                                            in_place_hook=reduction.in_place_hook)
+        hook = self._sync.comm_hook
+        if reduction.hook is not None and hook is not None and hook[0] is not reduction.state:
+            raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
+                               "collective with a reduce-scatter; this DDP already has a "
+                               "communication hook registered")
+        self.reducer.attach_sharding(reduction.sharding, reduction.state, reduction.hook,
+                                     reduction.in_place_hook, reduction.in_place)
+        if reduction.hook is not None:
             self._sync.comm_hook = (reduction.state, reduction.hook)
-            self.reducer.set_release_gradients(reduction.release)
         self._sharder = weakref.ref(sharder)
 
     @property
@@ -287,10 +286,15 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
         ref = getattr(self, "_sharder", None)
         return None if ref is None else ref()
 
-    def reduce_shards_in_place(self, on: bool) -> None:
-        """Whether the attached sharder's in_place_hook (ShardedReduction) reduces buckets
-        from the next backward on, over a pycomm shared-memory group; between backwards."""
-        self.reducer.set_comm_hook_in_place(on)
+    @property
+    def plan(self) -> dict:
+        """What the reducer decided for its steps (See Note [The reducer's plan] in
+        csrc/reducer/plan.h): "sharding" ("none", "optimizer_state", "released"), "wire"
+        (a pycomm.Wire, None under a comm hook), "releases" (each gradient dropped once in
+        its bucket), "reducer_averages" (the collective only sums), and "paths" (per
+        bucket: "buffer", "in_place", "released", "released_in_place"; a step whose
+        gradients share memory takes its buckets through their buffers)."""
+        return self.reducer.plan
 
     @property
     def reduced_named_parameters(self) -> list[tuple[str, nn.Parameter]]:

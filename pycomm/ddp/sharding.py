@@ -5,11 +5,13 @@ pycomm/zero/binding.py):
   for the optimizer's parameter all-gathers, its clip and pycomm's ask it for the norm
   where the gradients live in its shards, join waits for its all-gathers);
 - ShardedReduction: what the optimizer asks of the DDP's reducer, given whole when it
-  attaches (its communication hook, the hook's form for gradients reduced where they
-  are, whether the reducer drops each gradient once it is in its bucket).
+  attaches: its mode (Sharding), and in the released mode its communication hook
+  and the hook's form for gradients reduced where they are. The reducer decides its plan
+  from it (Note [The reducer's plan] in csrc/reducer/plan.h); the optimizer attaches
+  again, whole, when its shards become final (Note [The first step's buckets]).
 The optimizer reads the DDP through its public methods only (bucket_indices,
-unused_parameters, wire, gradient_group, reduced_named_parameters, synced_grad,
-rebuild_buckets_if_due, reduce_shards_in_place)."""
+unused_parameters, wire, plan, gradient_group, reduced_named_parameters, synced_grad,
+rebuild_buckets_if_due)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import torch
+
+from .._C import Sharding
 
 
 @runtime_checkable
@@ -46,18 +50,20 @@ class Sharder(Protocol):
 
 @dataclass(frozen=True)
 class ShardedReduction:
-    """How the DDP's reducer reduces each bucket for a sharder that keeps the averaged
-    gradients itself. The reducer pre-divides each gradient by the world size as it
-    copies it into the bucket (as without a hook), so `hook` only sums:
-    hook(state, dist.GradBucket) -> Future (torch's protocol); in_place_hook(state,
-    bucket, reduce_into) -> Future is its form for gradients reduced where they are
-    (PythonCommHook in csrc/reducer/comm_hook.h), used once the DDP is told
-    reduce_shards_in_place(True). `release`: the reducer drops each gradient once it is in
-    its bucket (Note [Released gradients] in csrc/reducer/launch.cpp)."""
-    state: Any
-    hook: Callable[..., Any]
-    in_place_hook: Callable[..., Any]
-    release: bool
+    """What a sharder asks of the DDP's reducer. `sharding`: Sharding.OPTIMIZER_STATE (the
+    gradients stay whole in param.grad; the sharder steps its shard of them) or
+    Sharding.RELEASED: the sharder keeps the averaged gradients of its range itself. The
+    reducer then pre-divides each gradient by the world size as it copies it into the
+    bucket (as without a hook), so `hook` only sums: hook(state, dist.GradBucket) -> Future
+    (torch's protocol); in_place_hook(state, bucket, reduce_into) -> Future is its form for
+    gradients reduced where they are (ShardHook in csrc/reducer/comm_hook.h), used when
+    `in_place`. Whether the reducer drops each gradient once it is in its bucket is its
+    plan's (ddp.plan["releases"]; Note [Released gradients] in csrc/reducer/launch.cpp)."""
+    sharding: Sharding
+    state: Any = None
+    hook: Optional[Callable[..., Any]] = None
+    in_place_hook: Optional[Callable[..., Any]] = None
+    in_place: bool = False
 
 
 def check_sharder(sharder: Any) -> None:

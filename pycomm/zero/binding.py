@@ -6,7 +6,8 @@ where each piece's gradient is read after a backward.
 Note [Sharding on the reducer]
 With release_gradients=True, on the parameters of a pycomm.DistributedDataParallel it
 changes what the DDP's reducer
-does with each bucket (a communication hook, registered at construction; the reducer
+does with each bucket (its hook, attached whole with Sharding.RELEASED: the reducer plans
+from it, Note [The reducer's plan] in csrc/reducer/plan.h; the reducer
 still pre-divides each gradient by the world size as it copies it into the bucket, so the
 collectives only sum, with DDP's numerics):
 - backward: a bucket's gradients are reduce-scattered the moment the bucket is complete
@@ -71,6 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import _C, registry
+from .._C import Sharding
 from ..ddp.sharding import ShardedReduction
 from . import layout as shard_layout
 from .hook import HookState, reduce_scatter_hook, reduce_scatter_in_place_hook
@@ -179,20 +181,11 @@ class DDPBinding:
         # all-gather] in csrc/shm/hier.h). Gloo's is an all-reduce per rank, so on Gloo
         # the bucket is all-reduced and the rank keeps its range.
         reduce_scatter = dist.get_backend(self._comm_group) in ("nccl", "pycomm")
-        # the buckets' storage is freed once the hook kept the shard, unless it holds
-        # no_sync's fp32 sums between steps (grad_reduce_dtype, Note [main_grad
-        # accumulation]): then param.grad is the reduced bucket, as without sharding
-        release = ddp.config.grad_reduce_dtype is None
-        self._hook_state = HookState(ddp, self._comm_group, self._index, reduce_scatter,
-                                     release)
+        self._hook_state = HookState(ddp, self._comm_group, self._index, reduce_scatter)
         # See Note [One rank: nothing to shard]
         self._hooked = self.release_gradients and (
             self.world_size > 1 or ddp.config.grad_reduce_dtype is not None)
-        reduction = ShardedReduction(self._hook_state, reduce_scatter_hook,
-                                     reduce_scatter_in_place_hook, release)
-        ddp.attach_sharder(self, reduction if self._hooked else None)
-        if self._hooked:
-            self._hook_state.registered(ddp)
+        self._attach_reduction(ddp)
         self._hook_handles = []
         self._map_modules()
         weak = weakref.ref(self)
@@ -219,6 +212,27 @@ class DDPBinding:
         # what reads the parameters other than a module's forward
         self._hook_handles.append(ddp.module.register_forward_hook(wait_all))
         self._hook_handles.append(ddp.module.register_state_dict_pre_hook(wait_all))
+
+    def _attach_reduction(self, ddp) -> None:
+        """Attach to `ddp` with this optimizer's mode, whole (the reducer replans: Note
+        [The reducer's plan] in csrc/reducer/plan.h): released, the hook, whose in-place
+        form is used once the shards are final (Note [The first step's buckets]); else the
+        optimizer state alone. Again whenever the shards become final."""
+        state = self._hook_state
+        if not self._hooked:
+            ddp.attach_sharder(self, ShardedReduction(Sharding.OPTIMIZER_STATE))
+            return
+        ddp.attach_sharder(self, ShardedReduction(
+            Sharding.RELEASED, state, reduce_scatter_hook, reduce_scatter_in_place_hook,
+            in_place=state.final and state.reduce_scatter))
+        state.release = ddp.plan["releases"]
+
+    def _shards_final(self) -> None:
+        """See Note [The first step's buckets]: the buckets are final; the hook reduce-
+        scatters them from now on (in place where the group allows)."""
+        self._hook_state.final = True
+        if self._hooked:
+            self._attach_reduction(self._ddp)
 
     def _map_modules(self) -> None:
         """Per module of the DDP's with parameters of its own, the buckets they are in
@@ -280,7 +294,8 @@ class DDPBinding:
             state.final = self._ddp.rebuild_buckets_if_due()
         elif not state.final and state.first:
             self._ddp.rebuild_buckets_if_due()
-            self._first_grads, state.first, state.final = state.first, {}, True
+            self._first_grads, state.first = state.first, {}
+            self._shards_final()
         if shard_layout.signature(self._buckets()) != self._signature:
             state.residuals.clear()  # the wire's feedback of buckets that now hold others
             self._relayout(self._whole_states() if self._holds_state else None)
@@ -311,7 +326,7 @@ class DDPBinding:
         self._relayout(whole)
         self._attach(ddp)
         if rebuilt:  # See Note [The first step's buckets]: no re-cut is still to come
-            self._hook_state.final = True
+            self._shards_final()
 
     def _grad_runs(self) -> list[Optional[torch.Tensor]]:
         """Per piece (self._pieces' order), its averaged gradient run, or None where the

@@ -4,7 +4,6 @@ binding.py), and what the hook keeps for the step (HookState)."""
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -24,12 +23,15 @@ class HookState:
     DDP's re-cut, per parameter, its whole averaged gradient."""
 
     def __init__(self, ddp: Any, group: dist.ProcessGroup, index: dict[int, int],
-                 reduce_scatter: bool, release: bool):
+                 reduce_scatter: bool):
         """For the buckets of `ddp` (a pycomm DistributedDataParallel, read through its
         public methods) over its gradient group `group`; `index`: id(parameter) -> reducer
         index."""
         self.reduce_scatter = reduce_scatter
-        self.release = release  # free the bucket's storage once its shard is kept
+        # Free the bucket's storage once its shard is kept: the DDP's plan says, once the
+        # hook is attached (not with grad_reduce_dtype, whose buckets hold no_sync's fp32
+        # sums between steps: Note [main_grad accumulation])
+        self.release = False
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.group = group
@@ -42,11 +44,6 @@ class HookState:
         # kept in `first`
         self._final = ddp.config.find_unused_parameters and not ddp.config.static_graph
         self.first: dict[int, torch.Tensor] = {}
-        # Once final, buckets whose gradients the reducer can leave where they are (over
-        # pycomm's shared memory) are reduce-scattered from there (in_place_hook): with a
-        # real reduce-scatter whose bucket is released anyway.
-        self.in_place = reduce_scatter and release
-        self._ddp: Optional[weakref.ref] = None  # once the hooks are registered on it
         # The low-precision wire the DDP's buckets cross hosts in (DDPConfig.wire, where
         # the DDP's reducer puts it in effect: a group spanning hosts), which the bucket
         # collectives here carry too; None: float32. Its error-feedback residuals per
@@ -60,21 +57,14 @@ class HookState:
 
     @property
     def final(self) -> bool:
+        """See Note [The first step's buckets] in binding.py; once final, the optimizer
+        attaches again with the hook's in-place form (its _attach_reduction)."""
         return self._final
 
     @final.setter
     def final(self, value: bool) -> None:
         self._final = value
         self.residuals.clear()  # the buckets are re-cut
-        ddp = None if self._ddp is None else self._ddp()
-        if ddp is not None:
-            ddp.reduce_shards_in_place(value and self.in_place)
-
-    def registered(self, ddp: Any) -> None:
-        """The hooks are on `ddp`'s reducer: its in-place form follows `final` from now on.
-        Held weakly (the reducer holds this state)."""
-        self._ddp = weakref.ref(ddp)
-        self.final = self._final
 
     def clear(self) -> None:
         """The optimizer's zero_grad: nothing reduced since."""
@@ -126,7 +116,7 @@ def _kept(state: HookState, index: int, buf: torch.Tensor) -> tuple[torch.Tensor
 def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
     """The bucket collective of a sharded pycomm DDP (See Note [Sharding on the reducer] in
     binding.py):
-    the reducer pre-divided the gradients (pre_divided), so the collectives sum them into
+    the reducer pre-divided the gradients (ShardHook), so the collectives sum them into
     the averages; the rank keeps its range and the tail (added to what it kept since
     zero_grad, as param.grad accumulates over several synchronized backwards)."""
     buf = bucket.buffer()
@@ -201,7 +191,7 @@ def reduce_scatter_hook(state: HookState, bucket: dist.GradBucket) -> torch.futu
 def reduce_scatter_in_place_hook(state: HookState, bucket: dist.GradBucket,
                                  reduce_into: Any) -> torch.futures.Future:
     """reduce_scatter_hook for a bucket whose gradients the reducer left where they are
-    (its in_place_hook; See PythonCommHook in csrc/reducer/comm_hook.h): reduce_into(out)
+    (its in_place_hook; See ShardHook in csrc/reducer/comm_hook.h): reduce_into(out)
     reads them as one buffer, scaled as the copy into the bucket would have, and writes
     the rank's range and the tail's sum into `out` (Note [Pieces reduce-scatter] in
     csrc/shm/collectives.cpp); the reducer drops them once done (Note [Released
