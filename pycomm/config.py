@@ -244,6 +244,16 @@ class DDPConfig:
             raise ValueError(f"local_clip_norm_type must be > 0 or inf, got "
                              f"{self.local_clip_norm_type}")
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (no __post_init__): a config pickled before wire_format existed gets
+        it parsed from its fields (pycomm/ddp/pickling.py: older pickles load)."""
+        self.__dict__.update(state)
+        if "wire_format" not in state:
+            from . import _C
+
+            object.__setattr__(self, "wire_format",
+                               _C.Wire(self.wire, self.wire_error_feedback))
+
     def bucket_byte_limits(self) -> list[int]:
         """Byte caps per bucket in launch order (the last repeats)."""
         mib = 1024 * 1024

@@ -432,6 +432,9 @@ def test_the_wire_is_one_value():
     assert config.wire_format == wire
     assert config.replace(wire_error_feedback=False).wire_format == "int8"
     assert pickle.loads(pickle.dumps(config)) == config
+    older = pycomm.DDPConfig(wire="bf16")  # as pickled before wire_format existed
+    del older.__dict__["wire_format"]
+    assert pickle.loads(pickle.dumps(older)).wire_format == "bf16"
     # float64 buckets are refused by the DDP that would send them, naming the parameter
     # (test_ddp_sends_gradients_in_the_wire); where nothing crosses a host they are fine
     assert not pycomm.DDPConfig(wire="bf16", grad_reduce_dtype=torch.float64).wire_format.exact
