@@ -174,6 +174,9 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
   // for torch's DDP catches it.
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].requires_grad()) continue;
+    // static_graph's first step learns its unused set at its end (Note [Static graph hook
+    // counts]): with find_unused_parameters a frozen parameter is one of them
+    if (options_.find_unused_parameters && usage_.counting_hooks()) continue;
     const std::vector<size_t>& unused = usage_.unused();
     TORCH_CHECK(std::find(unused.begin(), unused.end(), i) != unused.end(), "pycomm DDP (rank ",
                 rank_, "): parameter ", names_[i],

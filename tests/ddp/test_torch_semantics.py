@@ -189,6 +189,15 @@ def _frozen_under_static_graph(rank, world_size):
     with pytest.raises(RuntimeError, match=r"net\.0\.weight no longer requires grad.*"
                                            r"without static_graph"):
         ours(make_input("mlp", rank, 2))
+    # frozen before the first step, it is in the unused set static_graph learns there
+    early = pycomm.DistributedDataParallel(build("mlp"), static_graph=True,
+                                           find_unused_parameters=True)
+    early.module.net[0].weight.requires_grad_(False)
+    for step in range(3):
+        early.zero_grad()
+        loss_of(early(make_input("mlp", rank, step))).backward()
+        assert early.module.net[0].weight.grad is None
+        assert early.module.net[0].bias.grad is not None
 
 
 def test_frozen_after_wrapping_under_static_graph_is_named():
