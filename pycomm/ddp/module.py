@@ -269,15 +269,19 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
         to change it. A released hook's collectives carry the DDP's wire where it is in
         effect (read self.wire before attaching: it is None after)."""
         check_sharder(sharder)
-        hook = self._sync.comm_hook
-        if reduction.hook is not None and hook is not None and hook[0] is not reduction.state:
+        sharders = self.plan["sharding"] == "released"  # the hook now is a sharder's
+        if reduction.hook is not None and self._sync.comm_hook is not None and not sharders:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "
                                "communication hook registered")
         self.reducer.attach_sharding(reduction.sharding, reduction.state, reduction.hook,
                                      reduction.in_place_hook, reduction.in_place)
+        # what join's shadow runs (join.py) follows the reducer: the new sharder's hook, or
+        # none once a sharder keeping the gradients whole replaced one that kept its range
         if reduction.hook is not None:
             self._sync.comm_hook = (reduction.state, reduction.hook)
+        elif sharders:
+            self._sync.comm_hook = None
         self._sharder = weakref.ref(sharder)
 
     @property

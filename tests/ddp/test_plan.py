@@ -88,6 +88,15 @@ def _plans(rank, world_size):
     assert all(p.grad is None for p in released.module.parameters())
     zero.step()
 
+    # a second optimizer keeping the gradients whole takes the reduction back: the default
+    # all-reduce again, and join's shadow (ddp._sync.comm_hook) follows it
+    pycomm.ZeroRedundancyOptimizer(released.parameters(), torch.optim.SGD, lr=0.1)
+    assert released.plan["sharding"] == "optimizer_state"
+    assert released.plan["wire"] == "fp32" and released._sync.comm_hook is None
+    _step(released, rank, 2)
+    for p, q in zip(released.module.parameters(), ref.module.parameters()):
+        assert p.grad is not None and p.grad.shape == q.grad.shape
+
     # with grad_reduce_dtype the released mode keeps its buckets (no_sync's fp32 sums)
     wide = pycomm.DistributedDataParallel(copy.deepcopy(base).bfloat16(),
                                           config=pycomm.DDPConfig(
