@@ -213,9 +213,11 @@ std::string Reducer::prepare_no_sync() {
 
 void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(plan_.wire.has_value(), "a communication hook is already registered",
-              plan_.sharding == Sharding::kReleased ? " (the sharded optimizer's)" : "",
-              "; register it once");
+  TORCH_CHECK(plan_.wire.has_value(),
+              plan_.sharding == Sharding::kReleased
+                  ? "a ZeroRedundancyOptimizer with release_gradients=True reduces this DDP's "
+                    "buckets with its own hook; a communication hook cannot be added"
+                  : "a communication hook is already registered; register it once");
   TORCH_CHECK(step_ == 0, "register the communication hook before the first backward");
   hook_ = std::move(hook);
   replan();
@@ -224,8 +226,9 @@ void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook) {
 void Reducer::attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(state_ != State::kBackward, "attach a sharder between steps, not during a backward");
-  TORCH_CHECK((sharding == Sharding::kReleased) == (hook != nullptr),
-              "attach_sharding: a hook comes with the released mode, and only with it");
+  TORCH_CHECK((sharding == Sharding::kReleased) == (hook != nullptr), "attach_sharding: a hook ",
+              "comes with the released mode, and only with it; got mode '", sharding_name(sharding),
+              "' ", hook ? "with" : "without", " a hook");
   // A user's hook stays under a sharder that keeps the gradients whole; one that keeps
   // its range replaces the reduction, which a user's hook owns.
   TORCH_CHECK(!hook || plan_.wire.has_value() || plan_.sharding == Sharding::kReleased,
