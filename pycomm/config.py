@@ -146,9 +146,10 @@ class DDPConfig:
     [Low-precision wire] in csrc/shm/wire_codec.h. The config holds it parsed, with
     wire_error_feedback, as one pycomm.Wire (config.wire_format); ddp.reducer.wire says
     what is in effect (a pycomm.Wire, equal to its name; None once a comm hook, the sharded
-    optimizer's included, replaced the all-reduce). A float64 gradient (a float64
-    parameter, or grad_reduce_dtype=torch.float64) is refused when the DDP is built, naming
-    the parameter."""
+    optimizer's included, replaced the all-reduce). Where the wire is in effect (a group
+    spanning hosts), a float64 gradient (a float64 parameter, or a bf16/fp16 one under
+    grad_reduce_dtype=torch.float64) is refused when the DDP is built, naming the
+    parameter (Wire::check_carries in csrc/comm/wire.cpp)."""
 
     wire_error_feedback: bool = False
     """With wire="int8": what the int8 encoding loses is kept per rank and added to the

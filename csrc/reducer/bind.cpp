@@ -231,8 +231,8 @@ void bind_reducer(py::module& m) {
       .def("zeros_like_grad_buckets", &zeros_like_grad_buckets)
       .def("step_label_elements", &Reducer::step_label_elements)
       .def_property_readonly("wire", &Reducer::wire,
-                             "what the default all-reduce sends across hosts: 'fp32', "
-                             "'bf16', 'int8' or 'int8+ef'; 'hook' under a comm hook")
+                             "what the default all-reduce sends across hosts, a pycomm.Wire "
+                             "(fp32 where the group spans no hosts); None under a comm hook")
       .def(
           "timelines",
           [](const Reducer& r, size_t n) {

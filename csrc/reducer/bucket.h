@@ -20,10 +20,11 @@ namespace pycomm::reducer {
 using FuturePtr = c10::intrusive_ptr<c10::ivalue::Future>;
 
 // Note [Bucket paths]
-// What the reducer does with a bucket in a step is one of four paths, decided once when
-// the step's backward begins (Reducer::begin_backward_locked) from the options, the
-// communication hook and the group, and left for kBuffer / kReleased only when a gradient
-// does not qualify for the in-place path (Reducer::leave_in_place). Two questions make it:
+// What the reducer does with a bucket in a step is one of four paths: the plan's
+// (Plan::paths, decided from the options, the communication hook and the group: Note [The
+// reducer's plan] in plan.h), taken when the step's backward begins
+// (Reducer::begin_backward_locked), and left for kBuffer / kReleased only when the step's
+// gradients do not qualify for the in-place path (Reducer::leave_in_place). Two questions make it:
 // - where the collective reads and writes: the bucket's buffer, which each gradient is
 //   copied into (torch's way), or the gradients where they are (Note [Gradients reduced
 //   in place] in in_place.cpp);

@@ -142,6 +142,7 @@ class Reducer {
   // pycomm/zero/binding.py), and again to replace its hook (its in-place form, once its
   // shards are final), never during a backward.
   void attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook);
+  // Read without mutex_: every replan() runs from Python, under the GIL, as these reads do.
   const Plan& plan() const { return plan_; }
   // Whether a communication hook (a user's or a sharder's) reduces the buckets.
   bool has_comm_hook() const { return !plan_.wire.has_value(); }

@@ -65,7 +65,7 @@ def gradient_group(process_group: dist.ProcessGroup, config: DDPConfig,
     spanning hosts with several ranks on each a hierarchical "pycomm" group
     (config.hierarchical_allreduce); anything else, CUDA parameters on a Gloo group
     included (the shared-memory backend reduces host memory only), keeps `process_group`."""
-    wire = config.wire != "fp32"
+    wire = not config.wire_format.exact
     if wire and device.type != "cpu":
         raise ValueError(f"DDPConfig(wire={config.wire!r}) sends CPU gradients across hosts "
                          f"through pycomm's hierarchical all-reduce; these parameters are on "

@@ -224,8 +224,8 @@ class DDPBinding:
             return
         ddp.attach_sharder(self, ShardedReduction(
             Sharding.RELEASED, state, reduce_scatter_hook, reduce_scatter_in_place_hook,
-            in_place=state.final and state.reduce_scatter))
-        state.release = ddp.plan["releases"]
+            in_place=state.final))  # where the group allows it: the plan decides
+        state.release = ddp.plan["releases"]  # the plan's, refreshed at every attach
 
     def _shards_final(self) -> None:
         """See Note [The first step's buckets]: the buckets are final; the hook reduce-
