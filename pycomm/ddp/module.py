@@ -9,7 +9,6 @@ pickling.py's."""
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Callable
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -20,7 +19,6 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .. import overlap, registry
-from .._C import Wire
 from ..config import DDPConfig
 from . import construction, pickling
 from .args import (
@@ -48,13 +46,14 @@ from .finalization import TORCH_HAS_MANUAL_FINALIZATION, ManualFinalization
 from .forward import ForwardSync
 from .join import DDPJoinHook
 from .runtime import Runtime
-from .sharding import ShardedReduction, Sharder, check_sharder
+from .sharding import ShardingSide
 
 # torch's API of the installed release: a later release's methods only where torch has them
 _TORCH_RELEASE_API = (ManualFinalization,) if TORCH_HAS_MANUAL_FINALIZATION else ()
 
 
-class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPAttributes, ShardingSide, *_TORCH_RELEASE_API, nn.Module,
+                              Joinable):
     """Data parallelism with pycomm's C++ bucketed reducer; torch 2.13's constructor. An
     instance of torch's DistributedDataParallel too: See Note [Virtual subclass of torch's
     DDP] in compat.py, which also holds torch's attributes that libraries read."""
@@ -253,80 +252,6 @@ class DistributedDataParallel(TorchDDPAttributes, *_TORCH_RELEASE_API, nn.Module
                                f"(wire='fp32' with a hook)")
         self.reducer.register_comm_hook(state, hook)
         self._sync.comm_hook = (state, hook)
-
-    # ---- sharding (pycomm.ZeroRedundancyOptimizer) ------------------------------------
-
-    def attach_sharder(self, sharder: Sharder, reduction: ShardedReduction) -> None:
-        """The sharded optimizer over this DDP's parameters (pycomm.ZeroRedundancyOptimizer
-        attaches itself when it is built on the DDP, or moves onto it; See
-        pycomm/ddp/sharding.py for both sides). The DDP's forward waits for its pending
-        parameter all-gathers (before_module_call), the DDP's clip asks it for the norm
-        where the gradients live in its shards (grads_in_shards, clip_grad_norm_), and
-        join waits for its all-gathers (wait_for_params). Held weakly; a later one replaces
-        it. The reducer replans from `reduction` (Note [The reducer's plan] in
-        csrc/reducer/plan.h), also between steps after training began (See Note [Wrapped
-        after the optimizer] in pycomm/zero/binding.py); the sharder attaches again, whole,
-        to change it. A released hook's collectives carry the DDP's wire where it is in
-        effect (read self.wire before attaching: it is None after)."""
-        check_sharder(sharder)
-        sharders = self.plan["sharding"] == "released"  # the hook now is a sharder's
-        if reduction.hook is not None and self._sync.comm_hook is not None and not sharders:
-            raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
-                               "collective with a reduce-scatter; this DDP already has a "
-                               "communication hook registered")
-        self.reducer.attach_sharding(reduction.sharding, reduction.state, reduction.hook,
-                                     reduction.in_place_hook, reduction.in_place)
-        # what join's shadow runs (join.py) follows the reducer: the new sharder's hook, or
-        # none once a sharder keeping the gradients whole replaced one that kept its range
-        if reduction.hook is not None:
-            self._sync.comm_hook = (reduction.state, reduction.hook)
-        elif sharders:
-            self._sync.comm_hook = None
-        self._sharder = weakref.ref(sharder)
-
-    @property
-    def sharder(self) -> Optional[Sharder]:
-        """The attached sharded optimizer, while it lives (attach_sharder), or None."""
-        ref = getattr(self, "_sharder", None)
-        return None if ref is None else ref()
-
-    @property
-    def plan(self) -> dict:
-        """What the reducer decided for its steps (See Note [The reducer's plan] in
-        csrc/reducer/plan.h): "sharding" ("none", "optimizer_state", "released"), "wire"
-        (a pycomm.Wire, None under a comm hook), "releases" (each gradient dropped once in
-        its bucket), "reducer_averages" (the collective only sums), and "paths" (per
-        bucket: "buffer", "in_place", "released", "released_in_place"; a step whose
-        gradients share memory takes its buckets through their buffers)."""
-        return self.reducer.plan
-
-    @property
-    def reduced_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """The parameters whose gradients the reducer reduces, with their names, in the
-        reducer's index order (bucket_indices() indexes this list)."""
-        return list(self._named_params)
-
-    def bucket_indices(self) -> list[list[int]]:
-        """The reducer's buckets, in launch order: each a list of indices into
-        reduced_named_parameters, in slot order."""
-        return [list(b) for b in self.reducer.bucket_indices()]
-
-    def unused_parameters(self) -> list[int]:
-        """Indices (into reduced_named_parameters) of the parameters the last synchronized
-        step left unreduced because no rank used them (find_unused_parameters,
-        static_graph): their param.grad stayed as it was, as torch's DDP leaves it."""
-        return list(self.reducer.unused_parameters())
-
-    @property
-    def wire(self) -> Optional[Wire]:
-        """What the bucket all-reduce sends across hosts (DDPConfig.wire where the group
-        spans hosts, else fp32), or None while a communication hook reduces the buckets."""
-        return self.reducer.wire
-
-    def rebuild_buckets_if_due(self) -> bool:
-        """Re-cut the buckets now if the one re-cut after the first synchronized step is
-        due (the next forward would run it); whether it ran. Collective."""
-        return self._sync.rebuild_buckets_if_due()
 
     def _register_builtin_comm_hook(self, comm_hook_type) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
