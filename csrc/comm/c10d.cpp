@@ -52,4 +52,15 @@ WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::Red
   return pg->allreduce(tensors, opts);
 }
 
+WorkPtr start_reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& output, at::Tensor& input) {
+  TORCH_CHECK(pg, "start_reduce_scatter: process group is null");
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+#if PYCOMM_TORCH_AT_LEAST(2, 13)
+  return pg->reduce_scatter_single(output, input, opts);  // 2.13's name; the old one warns
+#else
+  return pg->_reduce_scatter_base(output, input, opts);
+#endif
+}
+
 }  // namespace pycomm::comm

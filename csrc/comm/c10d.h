@@ -42,6 +42,9 @@ c10::intrusive_ptr<c10d::Backend> cpu_backend(const ProcessGroupPtr& pg);
 
 // Launch an asynchronous all-reduce of `tensor` in place on `pg`; the caller waits.
 WorkPtr start_allreduce(const ProcessGroupPtr& pg, at::Tensor& tensor, c10d::ReduceOp op);
+// Launch an asynchronous sum reduce-scatter of the tensor form: rank r's range of `input`,
+// at r x output.numel(), summed into `output`.
+WorkPtr start_reduce_scatter(const ProcessGroupPtr& pg, at::Tensor& output, at::Tensor& input);
 
 // The error a failed future holds, as a user reads it: a c10::Error's message without the
 // C++ backtrace torch appends to what() (tens of "frame #" lines inside pycomm's messages).

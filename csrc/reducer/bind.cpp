@@ -3,6 +3,7 @@
 #include "reducer/bind.h"
 
 #include "reducer/reducer.h"
+#include "reducer/shard_hook.h"
 #include "reducer/stream_copy.h"
 
 namespace pycomm {
@@ -100,6 +101,7 @@ py::dict plan_dict(const Reducer& r) {
   for (const auto path : plan.paths) paths.append(reducer::path_name(path));
   py::dict d;
   d["sharding"] = reducer::sharding_name(plan.sharding);
+  d["reduction"] = reducer::reduction_name(plan.reduction);
   d["wire"] = plan.wire.has_value() ? py::cast(*plan.wire) : py::none();
   d["releases"] = plan.releases;
   d["reducer_averages"] = plan.reducer_averages;
@@ -153,6 +155,7 @@ void bind_reducer(py::module& m) {
       .value("RELEASED", reducer::Sharding::kReleased);
   bind_bucket_norms(m);
   bind_local_clip(m);
+  reducer::bind_shard_keep(m);
   bind_reducer_functions(m);
   py::class_<Reducer, ReducerHolder>(m, "Reducer",
                                      "pycomm's C++ bucketed gradient reducer (see reducer.h)")
@@ -189,25 +192,20 @@ void bind_reducer(py::module& m) {
           "a user's hook (torch's protocol), before the first backward, once")
       .def(
           "attach_sharding",
-          [](Reducer& r, reducer::Sharding sharding, py::object state, py::object hook,
-             py::object in_place_hook, bool in_place) {
-            std::unique_ptr<reducer::CommHook> shard_hook;
-            if (!hook.is_none()) {
-              shard_hook = std::make_unique<reducer::ShardHook>(std::move(state), std::move(hook),
-                                                                std::move(in_place_hook),
-                                                                r.process_group(), in_place);
-            }
-            r.attach_sharding(sharding, std::move(shard_hook));
+          [](Reducer& r, reducer::Sharding sharding, std::shared_ptr<reducer::ShardKeep> keep,
+             bool final) {
+            std::unique_ptr<reducer::CommHook> hook;
+            if (keep) hook = std::make_unique<reducer::ShardHook>(std::move(keep), final);
+            r.attach_sharding(sharding, std::move(hook));
           },
-          py::arg("sharding"), py::arg("state") = py::none(), py::arg("hook") = py::none(),
-          py::arg("in_place_hook") = py::none(), py::arg("in_place") = false,
+          py::arg("sharding"), py::arg("keep") = nullptr, py::arg("final") = false,
           "A sharder attaches, whole (See Note [The reducer's plan] in "
-          "csrc/reducer/plan.h): its mode, and with Sharding.RELEASED the hook that keeps "
-          "each bucket's range (ShardHook in csrc/reducer/comm_hook.h), with its in-place "
-          "form used when `in_place`; between steps")
+          "csrc/reducer/plan.h): its mode, and with Sharding.RELEASED the ShardKeep that "
+          "keeps each bucket's range (Note [Shards kept in C++] in "
+          "csrc/reducer/shard_hook.h), `final` once its shards are; between steps")
       .def_property_readonly("plan", &plan_dict,
                              "the reducer's plan (See Note [The reducer's plan]): sharding, "
-                             "wire, releases, reducer_averages, and per bucket its path")
+                             "reduction, wire, releases, reducer_averages, and per bucket its path")
       .def("has_comm_hook", &Reducer::has_comm_hook)
       .def("unused_parameters", &Reducer::unused_parameters)
       .def(

@@ -147,22 +147,6 @@ PythonCommHook::~PythonCommHook() {
   hook_ = py::object();
 }
 
-ShardHook::ShardHook(py::object state, py::object hook, py::object in_place_hook,
-                     const comm::ProcessGroupPtr& pg, bool in_place)
-    : PythonCommHook(std::move(state), std::move(hook)),
-      in_place_hook_(std::move(in_place_hook)),
-      in_place_(in_place && !in_place_hook_.is_none()) {
-  if (in_place_ && pg) {
-    backend_ = comm::cpu_backend(pg);
-    bucket_ops_ = comm::bucket_allreduce(backend_);
-  }
-}
-
-ShardHook::~ShardHook() {
-  py::gil_scoped_acquire gil;
-  in_place_hook_ = py::object();
-}
-
 py::object make_grad_bucket(Bucket& bucket, size_t bucket_count,
                             const std::vector<at::Tensor>& params, const at::Tensor& buffer) {
   std::vector<at::Tensor> members;
@@ -193,29 +177,6 @@ FuturePtr PythonCommHook::run(Bucket& bucket, size_t bucket_count,
                               const comm::OpLabel& /*label*/) {
   return call(bucket, [&] {
     return hook_(state_, make_grad_bucket(bucket, bucket_count, params, bucket.buffer));
-  });
-}
-
-FuturePtr ShardHook::run_in_place(Bucket& bucket, size_t bucket_count,
-                                  const std::vector<at::Tensor>& params,
-                                  std::vector<at::Tensor> grads, double scale,
-                                  const comm::OpLabel& label) {
-  TORCH_CHECK(bucket_ops_ != nullptr, "bucket ", bucket.index,
-              ": in-place reduction needs a pycomm shared-memory group");
-  return call(bucket, [&] {
-    py::cpp_function reduce_into(
-        [ops = bucket_ops_, keep = backend_, grads = std::move(grads), scale,
-         label](at::Tensor out) {
-          FuturePtr done;
-          {
-            py::gil_scoped_release nogil;
-            done = ops->reduce_scatter_pieces(grads, scale, std::move(out), label)->getFuture();
-          }
-          return torch::jit::toPyObject(c10::IValue(done));
-        },
-        py::arg("out"));
-    return in_place_hook_(state_, make_grad_bucket(bucket, bucket_count, params, bucket.buffer),
-                          reduce_into);
   });
 }
 

@@ -12,9 +12,19 @@
 
 namespace pycomm::reducer {
 
+// What reduces the buckets (Plan::reduction).
+enum class Reduction : uint8_t {
+  kAllreduce,   // the default sum all-reduce (AllreduceSumHook)
+  kPythonHook,  // a user's communication hook, in Python (PythonCommHook)
+  kShardKeep,   // a sharded optimizer's reduce-scatter, kept in C++ (ShardHook)
+};
+
+const char* reduction_name(Reduction reduction);
+
 class CommHook {
  public:
   virtual ~CommHook() = default;
+  virtual Reduction reduction() const = 0;
   // Start reducing `bucket` (all its gradients are in); the future completes with the
   // reduced tensor (the bucket's buffer or a new tensor of the same numel). `label` says
   // which step and bucket it is, for a backend that compares it across ranks.
@@ -60,6 +70,7 @@ class CommHook {
 class AllreduceSumHook final : public CommHook {
  public:
   AllreduceSumHook(comm::ProcessGroupPtr pg, bool run_inline, comm::Wire wire = {});
+  Reduction reduction() const override { return Reduction::kAllreduce; }
   // The wire the buckets cross hosts in: `wire`, or fp32 where the group's backend
   // offers no low-precision all-reduce.
   const comm::Wire* wire() const override { return &wire_; }
@@ -105,48 +116,21 @@ class AllreduceSumHook final : public CommHook {
 
 // A user's communication hook, torch's protocol: hook(state, dist.GradBucket) ->
 // torch.futures.Future[Tensor]; the hook averages (torch's hooks divide).
-class PythonCommHook : public CommHook {
+class PythonCommHook final : public CommHook {
  public:
   PythonCommHook(pybind11::object state, pybind11::object hook);
   ~PythonCommHook() override;
+  Reduction reduction() const override { return Reduction::kPythonHook; }
   FuturePtr run(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
                 const comm::OpLabel& label) override;
   bool reducer_divides() const override { return false; }
 
- protected:
+ private:
   // The hook's call (`body`, under the GIL) and its future, errors naming the bucket.
   FuturePtr call(Bucket& bucket, const std::function<pybind11::object()>& body);
 
   pybind11::object state_;
   pybind11::object hook_;
-};
-
-// A sharder's hook (pycomm.ZeroRedundancyOptimizer's, attached with Sharding::kReleased):
-// the reducer scales each gradient by 1/world as it copies it into the bucket, as without a
-// hook, and the hook only sums (DDP's numerics, no overflow of a low-precision sum).
-// `in_place_hook` is its form for a bucket whose gradients stay where they are (Note
-// [Gradients reduced in place] in reducer/in_place.cpp), in_place_hook(state, bucket,
-// reduce_into) -> Future, where reduce_into(out) starts the reduce-scatter of the gradients
-// as one buffer into `out` (this rank's range, then the tail every rank gets:
-// comm::BucketAllreduce's reduce_scatter_pieces on `pg`) and returns its
-// torch.futures.Future; used when `in_place` (the sharder's shards are final) and `pg`'s CPU
-// backend offers it.
-class ShardHook final : public PythonCommHook {
- public:
-  ShardHook(pybind11::object state, pybind11::object hook, pybind11::object in_place_hook,
-            const comm::ProcessGroupPtr& pg, bool in_place);
-  ~ShardHook() override;
-  bool reducer_divides() const override { return true; }
-  bool reduces_in_place() const override { return in_place_ && bucket_ops_ != nullptr; }
-  FuturePtr run_in_place(Bucket& bucket, size_t bucket_count, const std::vector<at::Tensor>& params,
-                         std::vector<at::Tensor> grads, double scale,
-                         const comm::OpLabel& label) override;
-
- private:
-  pybind11::object in_place_hook_;
-  bool in_place_;
-  c10::intrusive_ptr<c10d::Backend> backend_;    // keeps bucket_ops_ alive
-  comm::BucketAllreduce* bucket_ops_ = nullptr;  // what backend_ offers, if it does
 };
 
 // A real torch GradBucket over `bucket` (its buffer, or `buffer` when given).

@@ -22,7 +22,7 @@ namespace pycomm::reducer {
 // It applies to the default all-reduce on a "pycomm" group (the hook's reduces_in_place)
 // and on any group of one rank (Note [One rank reduces nothing] in comm_hook.cpp),
 // and to pycomm.ZeroRedundancyOptimizer's reduce-scatter once its shards are final (its
-// hook's in-place form, ShardHook in comm_hook.h, Note [Pieces reduce-scatter] in
+// hook's in-place form, ShardHook in shard_hook.h, Note [Pieces reduce-scatter] in
 // shm/collectives.cpp: the gradients are only read, the rank's range lands in the optimizer's
 // shard), when nothing else needs the bucket's memory: not with gradient_as_bucket_view (param.grad
 // is the bucket there), another comm hook, a bucket callback that reads the buffer, a launch

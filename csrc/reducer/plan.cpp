@@ -14,6 +14,15 @@ const char* sharding_name(Sharding sharding) {
   return "?";
 }
 
+const char* reduction_name(Reduction reduction) {
+  switch (reduction) {
+    case Reduction::kAllreduce: return "allreduce";
+    case Reduction::kPythonHook: return "python_hook";
+    case Reduction::kShardKeep: return "shard_keep";
+  }
+  return "?";
+}
+
 const char* path_name(BucketPath path) {
   switch (path) {
     case BucketPath::kBuffer: return "buffer";
@@ -25,6 +34,7 @@ const char* path_name(BucketPath path) {
 }
 
 void Reducer::replan() {
+  plan_.reduction = hook_->reduction();
   const comm::Wire* wire = hook_->wire();
   plan_.wire = wire != nullptr ? std::optional<comm::Wire>(*wire) : std::nullopt;
   plan_.releases = plan_.sharding == Sharding::kReleased && !options_.grad_reduce_dtype.has_value();

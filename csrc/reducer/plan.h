@@ -10,6 +10,7 @@
 
 #include "comm/wire.h"
 #include "reducer/bucket.h"
+#include "reducer/comm_hook.h"
 
 namespace pycomm::reducer {
 
@@ -40,6 +41,9 @@ const char* sharding_name(Sharding sharding);
 
 struct Plan {
   Sharding sharding = Sharding::kNone;
+  // What reduces the buckets: the default all-reduce, a user's hook (in Python), or a
+  // sharder's reduce-scatter (in C++: Note [Shards kept in C++] in shard_hook.h).
+  Reduction reduction = Reduction::kAllreduce;
   // What the bucket all-reduce sends across hosts; nullopt while a hook reduces buckets.
   std::optional<comm::Wire> wire;
   // Each gradient is dropped once in its bucket, the bucket's storage freed after its hook

@@ -233,11 +233,15 @@ void Reducer::attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook)
   // its range replaces the reduction, which a user's hook owns.
   TORCH_CHECK(!hook || plan_.wire.has_value() || plan_.sharding == Sharding::kReleased,
               "a communication hook is registered on this DDP; a sharder cannot replace it");
+  const bool hook_changes = hook || plan_.sharding == Sharding::kReleased;
   if (hook) {
     hook_ = std::move(hook);
   } else if (plan_.sharding == Sharding::kReleased) {  // its hook goes: the default again
     hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
                                                options_.wire_format);
+  }
+  if (hook_changes) {  // other collectives from here: the wire's error feedback restarts
+    for (const auto& bucket : layout_.buckets()) bucket->wire_residual.reset();
   }
   plan_.sharding = sharding;
   replan();

@@ -5,8 +5,8 @@ pycomm/zero/binding.py):
   for the optimizer's parameter all-gathers, its clip and pycomm's ask it for the norm
   where the gradients live in its shards, join waits for its all-gathers);
 - ShardedReduction: what the optimizer asks of the DDP's reducer, given whole when it
-  attaches: its mode (Sharding), and in the released mode its communication hook
-  and the hook's form for gradients reduced where they are. The reducer decides its plan
+  attaches: its mode (Sharding), and in the released mode what keeps the rank's range
+  of each bucket (a C++ ShardKeep) and whether its shards are final. The reducer decides its plan
   from it (Note [The reducer's plan] in csrc/reducer/plan.h); the optimizer attaches
   again, whole, when its shards become final (Note [The first step's buckets]).
 The optimizer reads the DDP through its public methods only (bucket_indices,
@@ -54,18 +54,21 @@ class Sharder(Protocol):
 class ShardedReduction:
     """What a sharder asks of the DDP's reducer. `sharding`: Sharding.OPTIMIZER_STATE (the
     gradients stay whole in param.grad; the sharder steps its shard of them) or
-    Sharding.RELEASED: the sharder keeps the averaged gradients of its range itself. The
-    reducer then pre-divides each gradient by the world size as it copies it into the
-    bucket (as without a hook), so `hook` only sums: hook(state, dist.GradBucket) -> Future
-    (torch's protocol); in_place_hook(state, bucket, reduce_into) -> Future is its form for
-    gradients reduced where they are (ShardHook in csrc/reducer/comm_hook.h), used when
-    `in_place`. Whether the reducer drops each gradient once it is in its bucket is its
-    plan's (ddp.plan["releases"]; Note [Released gradients] in csrc/reducer/launch.cpp)."""
+    Sharding.RELEASED: the sharder keeps the averaged gradients of its range itself, in
+    `keep` (a _C.ShardKeep, which reduces each bucket: Note [Shards kept in C++] in
+    csrc/reducer/shard_hook.h), `final` once its shards are cut on the re-cut buckets
+    (then a bucket is reduced where its gradients are, where the group allows).
+    `shadow(state, dist.GradBucket) -> Future` (torch's hook protocol, over `state`) is what
+    a joined rank runs in the others' place (pycomm/ddp/join.py). The reducer pre-divides
+    each gradient by the world size as it copies it into the bucket (as without a hook),
+    so the collectives only sum. Whether the reducer drops each gradient once it is in its
+    bucket is its plan's (ddp.plan["releases"]; Note [Released gradients] in
+    csrc/reducer/launch.cpp)."""
     sharding: Sharding
+    keep: Any = None
+    final: bool = False
     state: Any = None
-    hook: Optional[Callable[..., Any]] = None
-    in_place_hook: Optional[Callable[..., Any]] = None
-    in_place: bool = False
+    shadow: Optional[Callable[..., Any]] = None
 
 
 def check_sharder(sharder: Any) -> None:
@@ -93,20 +96,19 @@ class ShardingSide:
         it. The reducer replans from `reduction` (Note [The reducer's plan] in
         csrc/reducer/plan.h), also between steps after training began (See Note [Wrapped
         after the optimizer] in pycomm/zero/binding.py); the sharder attaches again, whole,
-        to change it. A released hook's collectives carry the DDP's wire where it is in
-        effect (read self.wire before attaching: it is None after)."""
+        to change it. A released sharder's collectives carry the DDP's wire
+        (DDPConfig.wire_format) where it is in effect."""
         check_sharder(sharder)
         sharders = self.plan["sharding"] == "released"  # the hook now is a sharder's
-        if reduction.hook is not None and self._sync.comm_hook is not None and not sharders:
+        if reduction.keep is not None and self._sync.comm_hook is not None and not sharders:
             raise RuntimeError("ZeroRedundancyOptimizer on a pycomm DDP replaces its bucket "
                                "collective with a reduce-scatter; this DDP already has a "
                                "communication hook registered")
-        self.reducer.attach_sharding(reduction.sharding, reduction.state, reduction.hook,
-                                     reduction.in_place_hook, reduction.in_place)
-        # what join's shadow runs (join.py) follows the reducer: the new sharder's hook, or
+        self.reducer.attach_sharding(reduction.sharding, reduction.keep, reduction.final)
+        # what join's shadow runs (join.py) follows the reducer: the new sharder's, or
         # none once a sharder keeping the gradients whole replaced one that kept its range
-        if reduction.hook is not None:
-            self._sync.comm_hook = (reduction.state, reduction.hook)
+        if reduction.keep is not None:
+            self._sync.comm_hook = (reduction.state, reduction.shadow)
         elif sharders:
             self._sync.comm_hook = None
         self._sharder = weakref.ref(sharder)
@@ -120,7 +122,9 @@ class ShardingSide:
     @property
     def plan(self) -> dict:
         """What the reducer decided for its steps (See Note [The reducer's plan] in
-        csrc/reducer/plan.h): "sharding" ("none", "optimizer_state", "released"), "wire"
+        csrc/reducer/plan.h): "sharding" ("none", "optimizer_state", "released"),
+        "reduction" (what reduces the buckets: "allreduce", "python_hook" for a comm hook,
+        "shard_keep" for a released sharder's reduce-scatter, in C++), "wire"
         (a pycomm.Wire, None under a comm hook), "releases" (each gradient dropped once in
         its bucket), "reducer_averages" (the collective only sums), and "paths" (per
         bucket: "buffer", "in_place", "released", "released_in_place"; a step whose

@@ -18,7 +18,8 @@ collectives only sum, with DDP's numerics):
   all-reduced instead (the same bytes as DDP). With the DDP's low-precision wire in
   effect (DDPConfig.wire across hosts), the reduce-scatter carries it: each host's sums
   cross once, encoded, and are added in float32 (Note [Low-precision wire] in
-  csrc/shm/wire_codec.h; hook.py's HookState.wire). The hook
+  csrc/shm/wire_codec.h). The reducer's ShardKeep (Note [Shards kept in C++] in
+  csrc/reducer/shard_hook.h, no trip through Python)
   keeps the rank's range and the tail (hook.py's HookState.grads) and frees the bucket's storage;
   the reducer drops each param.grad once copied (Note [Released gradients] in
   csrc/reducer/launch.cpp). Over shared memory nothing is copied once the shards are
@@ -75,7 +76,7 @@ from .. import _C, registry
 from .._C import Sharding
 from ..ddp.sharding import ShardedReduction
 from . import layout as shard_layout
-from .hook import HookState, reduce_scatter_hook, reduce_scatter_in_place_hook
+from .hook import HookState, shadow_hook
 
 _STANDALONE_BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -223,9 +224,7 @@ class DDPBinding:
             ddp.attach_sharder(self, ShardedReduction(Sharding.OPTIMIZER_STATE))
             return
         ddp.attach_sharder(self, ShardedReduction(
-            Sharding.RELEASED, state, reduce_scatter_hook, reduce_scatter_in_place_hook,
-            in_place=state.final))  # where the group allows it: the plan decides
-        state.release = ddp.plan["releases"]  # the plan's, refreshed at every attach
+            Sharding.RELEASED, state.keep, state.final, state, shadow_hook))
 
     def _shards_final(self) -> None:
         """See Note [The first step's buckets]: the buckets are final; the hook reduce-
@@ -292,12 +291,11 @@ class DDPBinding:
         state = self._hook_state
         if not state.final and not self._hooked:  # the re-cut, once it is due
             state.final = self._ddp.rebuild_buckets_if_due()
-        elif not state.final and state.first:
+        elif not state.final and state.keep.has_first:
             self._ddp.rebuild_buckets_if_due()
-            self._first_grads, state.first = state.first, {}
+            self._first_grads = state.keep.take_first()
             self._shards_final()
         if shard_layout.signature(self._buckets()) != self._signature:
-            state.residuals.clear()  # the wire's feedback of buckets that now hold others
             self._relayout(self._whole_states() if self._holds_state else None)
 
     def _adopt_ddp(self) -> None:

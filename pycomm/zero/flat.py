@@ -45,7 +45,7 @@ class FlatShards:
         if state is not None:  # shards the hook kept for buckets that are gone
             sizes = {s.index: s.kept for s in self._shards}
             for index in [i for i, t in state.grads.items() if sizes.get(i) != t.numel()]:
-                del state.grads[index]
+                state.keep.drop(index)
         self._pieces: list[tuple[BucketShard, Piece, torch.Tensor]] = []
         group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
         inner_groups = [dict(g, params=[]) for g in self.param_groups]

@@ -36,6 +36,7 @@ def _plans(rank, world_size):
     assert buckets > 1
     assert (plan["sharding"], plan["wire"], plan["releases"], plan["reducer_averages"]) == (
         "none", pycomm.Wire(), False, True)
+    assert plan["reduction"] == "allreduce"
     assert plan["paths"] == ["in_place"] * buckets
     _step(ddp, rank)
     for p, q in zip(ddp.module.parameters(), ref.module.parameters()):
@@ -54,6 +55,7 @@ def _plans(rank, world_size):
     hooked.register_comm_hook(hooked.gradient_group, allreduce_hook)
     plan = hooked.plan
     assert plan["wire"] is None and not plan["reducer_averages"]
+    assert plan["reduction"] == "python_hook"
     assert set(plan["paths"]) == {"buffer"}
     # a sharder cannot replace it, and the refusal changes nothing
     with pytest.raises(RuntimeError, match="already has a communication hook"):
@@ -76,13 +78,15 @@ def _plans(rank, world_size):
     plan = released.plan
     assert (plan["sharding"], plan["wire"], plan["releases"], plan["reducer_averages"]) == (
         "released", None, True, True)
+    # reduced and kept in C++, no trip through Python (Note [Shards kept in C++])
+    assert plan["reduction"] == "shard_keep"
     # before the one bucket re-cut whole buckets are all-reduced through their buffers
     assert set(plan["paths"]) == {"released"}
     _step(released, rank)
     assert all(p.grad is None for p in released.module.parameters())
     zero.step()  # re-cuts the buckets, cuts the shards: the sharder attaches again
     plan = released.plan
-    assert plan["sharding"] == "released"
+    assert (plan["sharding"], plan["reduction"]) == ("released", "shard_keep")
     assert plan["paths"] == ["released_in_place"] * len(released.bucket_indices())
     _step(released, rank, 1)
     assert all(p.grad is None for p in released.module.parameters())
@@ -92,6 +96,7 @@ def _plans(rank, world_size):
     # all-reduce again, and join's shadow (ddp._sync.comm_hook) follows it
     pycomm.ZeroRedundancyOptimizer(released.parameters(), torch.optim.SGD, lr=0.1)
     assert released.plan["sharding"] == "optimizer_state"
+    assert released.plan["reduction"] == "allreduce"
     assert released.plan["wire"] == "fp32" and released._sync.comm_hook is None
     _step(released, rank, 2)
     for p, q in zip(released.module.parameters(), ref.module.parameters()):

@@ -38,7 +38,7 @@ def _sharded_across_hosts(rank, world_size, steps=6):
         assert torch.equal(p, q), f"rank {rank}: {name} differs by {(p - q).abs().max()}"
     state = sum(t.numel() for s in zero.optim.state.values() for t in s.values()
                 if t.dim() > 0)
-    return (pycomm.shm.hierarchy(sharded.gradient_group), zero._hook_state.reduce_scatter,
+    return (pycomm.shm.hierarchy(sharded.gradient_group), zero._hook_state.keep.reduce_scatter,
             state, 2 * sum(p.numel() for p in base.parameters()))
 
 

@@ -280,7 +280,7 @@ def _released(rank, world_size):
             kept = sum(t.numel() for t in zero._hook_state.grads.values())
             assert whole / world_size <= kept <= whole / world_size + world_size * buckets
         zero.step()
-    assert zero._hook_state.final and not zero._hook_state.first
+    assert zero._hook_state.final and not zero._hook_state.keep.has_first
     low = _ddp(base.to(torch.bfloat16), grad_reduce_dtype=torch.float32)
     zero = pycomm.ZeroRedundancyOptimizer(low.parameters(), torch.optim.AdamW, lr=1e-2,
                                           release_gradients=True)
