@@ -261,10 +261,13 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
     const int64_t len = blocks.len(j);
     at::Tensor chunks = at::empty({L * H * len}, in.options());
     permute(in, chunks, s, blocks.begin(j), len, /*to_chunks=*/true);
-    at::Tensor mine = at::empty({H * len}, in.options());
-    wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
-               "the reduce-scatter within the host",
-               local_->reduce_scatter_tensor_as(op, mine, chunks, rs));
+    at::Tensor mine = chunks;  // one rank per host: nothing to combine (Note [One rank per
+    if (L > 1) {               // host] in hier_allreduce.cpp)
+      mine = at::empty({H * len}, in.options());
+      wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
+                 "the reduce-scatter within the host",
+                 local_->reduce_scatter_tensor_as(op, mine, chunks, rs));
+    }
     auto& k = blocks.state[j];
     if (!wire.exact()) {  // each host's range encoded on its own
       const int64_t slot = wire_bytes(wire.dtype, len);
@@ -335,10 +338,13 @@ void HierBackend::all_gather_tensor(uint64_t seq, int64_t piece_bytes, const at:
     auto& k = blocks.state[j];
     wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
                "the all-gather across hosts", k.across);
-    at::Tensor chunks = at::empty({L * H * blocks.len(j)}, in.options());
-    c10d::AllgatherOptions ag;
-    wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
-               "the all-gather within the host", local_->_allgather_base(chunks, k.data, ag));
+    at::Tensor chunks = k.data;  // one rank per host: nothing to gather within it
+    if (L > 1) {
+      chunks = at::empty({L * H * blocks.len(j)}, in.options());
+      c10d::AllgatherOptions ag;
+      wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
+                 "the all-gather within the host", local_->_allgather_base(chunks, k.data, ag));
+    }
     permute(home, chunks, s, blocks.begin(j), blocks.len(j), /*to_chunks=*/false);
     k = {};
   };

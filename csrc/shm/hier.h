@@ -24,6 +24,8 @@
 // order, Note [Gloo's summation order]) summed over hosts in Gloo's order, the same on every
 // rank, so all ranks get identical bits; a flat Gloo all-reduce adds in another order, so
 // the two differ by float rounding only. AVG sums throughout and divides once at the end.
+// With one rank per host (L = 1) steps 1 and 3 have nothing to combine and are skipped,
+// here and in the tensor forms below (Note [One rank per host] in hier_allreduce.cpp).
 //
 // Note [Hierarchical pipeline]
 // Run one after the other, the three phases leave the slow link idle while the host

@@ -128,6 +128,7 @@ class BlockPipeline {
   }
 
   void reduce_within(int64_t b) {
+    if (L_ == 1) return alone(b);
     Block& k = state_[b];
     const auto [begin, len] = range(b);
     const int64_t piece = (len + L_ - 1) / L_;
@@ -159,6 +160,29 @@ class BlockPipeline {
     rs.reduceOp = op_;
     wait("the reduce-scatter within the host", b,
          local_.reduce_scatter_tensor_as(name, k.mine, k.whole, rs));
+    cross_block(b);
+  }
+
+  // Note [One rank per host]
+  // With one rank per host there is nothing to combine within it: the shared-memory
+  // reduce-scatter and all-gather of a block would only copy it there and back, and run
+  // their rounds. So block b crosses hosts from the tensor itself, its sums landing there;
+  // pieces are scaled into one buffer of the block as they are read (what the reduce-
+  // scatter of pieces would do) and copied back once summed. The elements, their order
+  // and every crossing stay the pipeline's: the same bits.
+  void alone(int64_t b) {
+    Block& k = state_[b];
+    const auto [begin, len] = range(b);
+    if (pieces_ == nullptr) {
+      k.mine = flat_.narrow(0, begin, len);
+      return cross_block(b);
+    }
+    k.mine = at::empty({len}, flat_.options());
+    char* to = static_cast<char*>(k.mine.data_ptr());
+    slice(begin, len).each(0, len * flat_.element_size(), [&](char* from, size_t at, size_t bytes) {
+      scale_copy(flat_.scalar_type(), to + at, from,
+                 static_cast<int64_t>(bytes) / flat_.element_size(), scale_);
+    });
     cross_block(b);
   }
 
@@ -227,6 +251,11 @@ class BlockPipeline {
                     /*add=*/false);
       }
     }
+    if (L_ == 1) {  // See Note [One rank per host]: the sums are in the tensor, or in k.mine
+      if (pieces_ != nullptr) copy_home(b, k.mine);
+      k = Block{};
+      return;
+    }
     c10d::AllgatherOptions ag;
     // Pieces are gathered through a buffer of the block: the all-gather writes ranks'
     // pieces whole, the block's elements may span several tensors.
@@ -235,15 +264,20 @@ class BlockPipeline {
     wait("the all-gather within the host", b,
          local_.all_gather_tensor_as(local_phase_names(wire_).second, k.whole, k.mine, ag));
     if (pieces_ != nullptr) {
-      const auto [begin, len] = range(b);
-      const char* from = static_cast<const char*>(k.whole.const_data_ptr());
-      slice(begin, len).each(0, len * flat_.element_size(), [&](char* to, size_t at, size_t bytes) {
-        std::memcpy(to, from + at, bytes);
-      });
+      copy_home(b, k.whole);
     } else if (!k.whole.is_same(k.user)) {
       k.user.copy_(k.whole.narrow(0, 0, k.user.numel()));
     }
     k = Block{};  // the block's buffers go as soon as it is done
+  }
+
+  // Block b's elements, from the front of `from`, back into the pieces.
+  void copy_home(int64_t b, const at::Tensor& from) {
+    const auto [begin, len] = range(b);
+    const char* src = static_cast<const char*>(from.const_data_ptr());
+    slice(begin, len).each(0, len * flat_.element_size(), [&](char* to, size_t at, size_t bytes) {
+      std::memcpy(to, src + at, bytes);
+    });
   }
 
   const Where where_;
