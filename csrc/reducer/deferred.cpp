@@ -18,8 +18,8 @@ namespace pycomm::reducer {
 
 void Reducer::set_launch_gate(LaunchGate gate) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(state_ != State::kBackward, "cannot set a launch gate during backward");
-  gate_ = std::move(gate);
+  TORCH_CHECK(progress_.state != State::kBackward, "cannot set a launch gate during backward");
+  ext_.gate = std::move(gate);
   replan();
 }
 
@@ -30,12 +30,13 @@ void Reducer::open_launch_gate() {
   std::vector<at::Tensor> buffers;
   buffers.reserve(layout_.size());
   for (const auto& bucket : layout_.buckets()) buffers.push_back(bucket->buffer);
-  const double divide = plan_.reducer_averages ? 1.0 / static_cast<double>(div_factor_) : 1.0;
+  const double divide = plan_.reducer_averages ? 1.0 / static_cast<double>(averaging_.divisor)
+                                               : 1.0;
   try {
-    gate_(buffers, divide);
+    ext_.gate(buffers, divide);
   } catch (...) {
     reset_step();
-    state_ = State::kIdle;
+    progress_.state = State::kIdle;
     throw;
   }
   launch_ready_buckets();

@@ -54,8 +54,8 @@ std::string describe_peers(const std::string& error,
 void Reducer::finalize_backward() {
   const int64_t finalize_start = now_ns();
   std::lock_guard<std::mutex> lock(mutex_);
-  finalize_queued_ = false;
-  if (state_ != State::kBackward) return;  // a backward that reached no parameter
+  progress_.finalize_queued = false;
+  if (progress_.state != State::kBackward) return;  // a backward that reached no parameter
   finalize_locked(finalize_start);
 }
 
@@ -77,7 +77,8 @@ void Reducer::finalize_backward() {
 void Reducer::set_manual_finalization(bool required) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (required == manual_finalization_) return;
-  TORCH_CHECK(state_ != State::kPrepared && state_ != State::kBackward, "pycomm DDP (rank ", rank_,
+  TORCH_CHECK(progress_.state != State::kPrepared && progress_.state != State::kBackward,
+              "pycomm DDP (rank ", rank(),
               "): require_manual_backward_finalization can only change before a forward or "
               "after the step's backward was finalized, not between a synchronized forward and "
               "the end of its backward");
@@ -100,27 +101,27 @@ bool Reducer::lends_buffer(const Bucket& bucket) const {
 }
 
 bool Reducer::awaits_manual_finalize() const {
-  return manual_finalization_ && state_ == State::kBackward &&
-         (usage_.counting_hooks() ||
-          std::all_of(marked_.begin(), marked_.end(), [](uint8_t m) { return m != 0; }));
+  return manual_finalization_ && progress_.state == State::kBackward &&
+         (usage_.counting_hooks() || std::all_of(progress_.marked.begin(), progress_.marked.end(),
+                                                 [](uint8_t m) { return m != 0; }));
 }
 
 void Reducer::finalize_backward_manual() {
   const int64_t finalize_start = now_ns();
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(manual_finalization_, "pycomm DDP (rank ", rank_,
+  TORCH_CHECK(manual_finalization_, "pycomm DDP (rank ", rank(),
               "): finalize_backward() was called, but this DDP finalizes each backward itself: "
               "set require_manual_backward_finalization = True first");
-  TORCH_CHECK(state_ == State::kBackward, "pycomm DDP (rank ", rank_,
+  TORCH_CHECK(progress_.state == State::kBackward, "pycomm DDP (rank ", rank(),
               "): finalize_backward() was called, but no synchronized backward awaits it: the "
               "last forward ran under no_sync() or without grad, its backward reached no "
               "parameter or has not run, or finalize_backward() already ended it");
   if (!awaits_manual_finalize()) {
     const auto [count, missing] = unmarked_params(8);
-    TORCH_CHECK(false, "pycomm DDP (rank ", rank_,
+    TORCH_CHECK(false, "pycomm DDP (rank ", rank(),
                 "): finalize_backward() was called before "
                 "every gradient of the backward was in: ",
-                next_launch_, " of ", layout_.size(), " buckets launched, ", count,
+                progress_.next_launch, " of ", layout_.size(), " buckets launched, ", count,
                 " parameter(s) still to come (", missing,
                 "). Call it after backward returns, or from a hook that runs after the last "
                 "parameter's gradient is accumulated");
@@ -129,10 +130,10 @@ void Reducer::finalize_backward_manual() {
 }
 
 void Reducer::finalize_locked(int64_t finalize_start) {
-  state_ = State::kReduced;
+  progress_.state = State::kReduced;
   if (usage_.counting_hooks()) mark_counted();  // See Note [Static graph hook counts]
-  if (gate_) open_launch_gate();
-  if (next_launch_ < layout_.size()) fail_unready();
+  if (ext_.gate) open_launch_gate();
+  if (progress_.next_launch < layout_.size()) fail_unready();
   for (auto& bucket : layout_.buckets()) wait_bucket(*bucket);
   usage_.wait_sum();
   for (auto& bucket : layout_.buckets()) {
@@ -145,10 +146,10 @@ void Reducer::finalize_locked(int64_t finalize_start) {
   usage_.end_step();
   recorder_.end_step();
   if (timing_.recording()) {
-    timing_.push(step_, rank_, layout_, finalize_start, manual_finalization_);
+    timing_.push(progress_.step, rank(), layout_, finalize_start, manual_finalization_);
   }
-  ++step_;
-  forwards_ = 0;
+  ++progress_.step;
+  progress_.forwards = 0;
 }
 
 // static_graph's first step: every parameter is marked ready now, at the end of backward,
@@ -172,8 +173,8 @@ void Reducer::wait_bucket(Bucket& bucket) {
   drain_launched();
   const std::string reduced = reduced_in_place_note();
   reset_step();
-  state_ = State::kIdle;
-  TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): the collective of bucket ", failed, " of ",
+  progress_.state = State::kIdle;
+  TORCH_CHECK(false, "pycomm DDP (rank ", rank(), "): the collective of bucket ", failed, " of ",
               layout_.size(), " (", nbytes, " bytes; parameters ", members,
               ") failed or timed out: ", error, describe_peers(error, peer_hosts_), reduced);
 }
@@ -210,7 +211,7 @@ void Reducer::finalize_bucket(Bucket& bucket) {
 std::vector<size_t> Reducer::unused_parameters() const {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<size_t> out;
-  if (step_ == 0) return out;  // no usage summed yet
+  if (progress_.step == 0) return out;  // no usage summed yet
   for (size_t i = 0; i < params_.size(); ++i) {
     if (usage_.globally_unused(i)) out.push_back(i);
   }
@@ -221,7 +222,7 @@ std::pair<size_t, std::string> Reducer::unmarked_params(size_t shown) const {
   std::ostringstream missing;
   size_t count = 0;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (marked_[i]) continue;
+    if (progress_.marked[i]) continue;
     if (count++ < shown) missing << (count > 1 ? ", " : "") << names_[i];
   }
   if (count > shown) missing << ", ... (" << count - shown << " more)";
@@ -230,10 +231,10 @@ std::pair<size_t, std::string> Reducer::unmarked_params(size_t shown) const {
 
 void Reducer::fail_unready() {
   const auto [count, missing] = unmarked_params(16);
-  const size_t first_unlaunched = next_launch_;
+  const size_t first_unlaunched = progress_.next_launch;
   discard_step();
-  state_ = State::kIdle;
-  TORCH_CHECK(false, "pycomm DDP (rank ", rank_, "): ", count,
+  progress_.state = State::kIdle;
+  TORCH_CHECK(false, "pycomm DDP (rank ", rank(), "): ", count,
               " parameter(s) did not receive "
               "a gradient in this backward, so bucket ",
               first_unlaunched,
@@ -255,13 +256,13 @@ void Reducer::fail_unready() {
 // forward ("Expected to have finished reduction in the prior iteration").
 std::string Reducer::abandon_unfinished_step() {
   size_t ready = 0;
-  for (uint8_t m : marked_) ready += m;
-  const size_t launched = next_launch_;
+  for (uint8_t m : progress_.marked) ready += m;
+  const size_t launched = progress_.next_launch;
   std::ostringstream note;
-  note << "pycomm DDP (rank " << rank_ << "): the previous backward did not finish (an "
+  note << "pycomm DDP (rank " << rank() << "): the previous backward did not finish (an "
        << "exception was raised in it, or it was interrupted): " << ready << " of "
        << params_.size() << " parameters had their gradient ready";
-  if (last_hooked_ >= 0) note << ", the last one " << names_[last_hooked_];
+  if (progress_.last_hooked >= 0) note << ", the last one " << names_[progress_.last_hooked];
   note << "; " << launched << " of " << layout_.size() << " buckets had launched";
   if (launched < layout_.size()) {
     note << ", bucket " << launched << " of " << layout_.size() << " (parameters "
@@ -274,7 +275,7 @@ std::string Reducer::abandon_unfinished_step() {
     if (future && future->hasError()) {
       const std::string error = comm::error_message(*future);
       discard_step();
-      state_ = State::kIdle;
+      progress_.state = State::kIdle;
       TORCH_CHECK(false, note.str(), ". Waiting for the collective of bucket ", b,
                   " it launched failed (did another rank fail elsewhere in that backward?): ",
                   error, reduced);
@@ -294,7 +295,7 @@ std::string Reducer::abandon_unfinished_step() {
 // the sums before it failed.
 std::string Reducer::reduced_in_place_note() const {
   std::ostringstream done, failed;
-  for (size_t b = 0; b < next_launch_; ++b) {
+  for (size_t b = 0; b < progress_.next_launch; ++b) {
     const Bucket& bucket = layout_[b];
     if (!in_place(bucket.path) || bucket.skipped) continue;
     std::ostringstream& out = bucket.future && bucket.future->hasError() ? failed : done;

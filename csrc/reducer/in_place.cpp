@@ -56,10 +56,10 @@ namespace pycomm::reducer {
 // plan (Note [The reducer's plan]); a step checks only its gradients.
 bool Reducer::in_place_allowed() const {
   const ReducerOptions& o = options_;
-  return o.in_place_reduction && hook_->reduces_in_place() && !gate_ && pre_launch_.empty() &&
-         !post_done_reads_buffer_ && !o.gradient_as_bucket_view && !o.batched_grad_copy &&
-         !o.find_unused_parameters && !o.static_graph && !o.grad_reduce_dtype.has_value() &&
-         !o.skip_all_reduce_unused_params;
+  return o.in_place_reduction && ext_.hook->reduces_in_place() && !ext_.gate &&
+         ext_.pre_launch.empty() && !ext_.post_done_reads_buffer && !o.gradient_as_bucket_view &&
+         !o.batched_grad_copy && !o.find_unused_parameters && !o.static_graph &&
+         !o.grad_reduce_dtype.has_value() && !o.skip_all_reduce_unused_params;
 }
 
 bool Reducer::grads_share_memory() const {
@@ -95,7 +95,7 @@ bool Reducer::qualifies_in_place(const Bucket& bucket, size_t slot) const {
 void Reducer::leave_in_place(Bucket& bucket, size_t except) {
   bucket.path = through_buffer(bucket.path);
   for (size_t slot = 0; slot < bucket.params.size(); ++slot) {
-    if (slot != except && marked_[bucket.params[slot]]) copy_into_bucket(bucket, slot);
+    if (slot != except && progress_.marked[bucket.params[slot]]) copy_into_bucket(bucket, slot);
   }
 }
 

@@ -17,25 +17,27 @@ namespace pycomm::reducer {
 // torch.utils.checkpoint(use_reentrant=True) the first hooks fire inside a nested
 // backward, whose task ends (and would run finalize) before the other segments' run.
 void Reducer::queue_finalize() {
-  if (finalize_queued_ || manual_finalization_) return;  // See Note [Manual backward finalization]
-  finalize_queued_ = true;
-  torch::autograd::Engine::get_default_engine().queue_callback([weak = std::weak_ptr(self_)] {
-    if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
-  });
+  if (progress_.finalize_queued || manual_finalization_)
+    return;  // See Note [Manual backward finalization]
+  progress_.finalize_queued = true;
+  torch::autograd::Engine::get_default_engine().queue_callback(
+      [weak = std::weak_ptr(grad_hooks_.self)] {
+        if (auto reducer = weak.lock()) (*reducer)->finalize_backward();
+      });
 }
 
 void Reducer::on_backward_start() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (state_ != State::kPrepared) return;
+  if (progress_.state != State::kPrepared) return;
   timing_.start_backward();
   queue_finalize();
 }
 
 void Reducer::begin_backward_locked() {
-  state_ = State::kBackward;
+  progress_.state = State::kBackward;
   timing_.begin_step(layout_.device());
-  scale_value_ = 1.0 / static_cast<double>(div_factor_);
-  scale_ = at::native::wrapped_scalar_tensor(scale_value_);
+  averaging_.scale_value = 1.0 / static_cast<double>(averaging_.divisor);
+  averaging_.scale = at::native::wrapped_scalar_tensor(averaging_.scale_value);
   // See Note [Bucket paths] in bucket.h: the plan's, unless two of this step's gradients
   // share memory (Note [Gradients reduced in place])
   const bool shared = plan_.any_in_place && grads_share_memory();
@@ -54,12 +56,13 @@ void Reducer::autograd_hook(size_t index) {
   if (main_grads_.widened(index)) {
     main_grads_.accumulate(index, params_[index], layout_.view(index), names_[index]);
   }
-  if (state_ == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
-  TORCH_CHECK(state_ != State::kReduced, "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
+  if (progress_.state == State::kIdle) return;  // no_sync, or a forward that bypassed the wrapper
+  TORCH_CHECK(progress_.state != State::kReduced, "pycomm DDP (rank ", rank(), "): parameter ",
+              names_[index],
               " got a gradient after this step was already reduced: backward "
               "ran twice without a forward through the DistributedDataParallel wrapper");
-  if (state_ == State::kPrepared) begin_backward_locked();
-  last_hooked_ = static_cast<int64_t>(index);
+  if (progress_.state == State::kPrepared) begin_backward_locked();
+  progress_.last_hooked = static_cast<int64_t>(index);
   if (options_.static_graph) {  // See Note [Static graph hook counts]
     timing_.param_ready(index, /*last=*/true);
     const Usage::Hook hook = usage_.count_hook(index, names_[index]);
@@ -68,7 +71,7 @@ void Reducer::autograd_hook(size_t index) {
   }
   // torch raises a RuntimeError at the same point ("Expected to mark a variable ready only
   // once"); a hook that fires twice without static_graph has no count to wait for.
-  TORCH_CHECK(!marked_[index], "pycomm DDP (rank ", rank_, "): parameter ", names_[index],
+  TORCH_CHECK(!progress_.marked[index], "pycomm DDP (rank ", rank(), "): parameter ", names_[index],
               " was marked ready twice in one backward: it received gradients from more "
               "than one reentrant backward (e.g. a layer run in several "
               "torch.utils.checkpoint(use_reentrant=True) segments), or it was used outside "
@@ -79,7 +82,7 @@ void Reducer::autograd_hook(size_t index) {
 }
 
 void Reducer::mark_ready(size_t index, bool used) {
-  marked_[index] = 1;
+  progress_.marked[index] = 1;
   Bucket& bucket = layout_.bucket_of(index);
   const size_t slot = layout_.slot_of(index);
   if (!keeps_in_place(bucket, slot)) copy_into_bucket(bucket, slot);
@@ -88,7 +91,7 @@ void Reducer::mark_ready(size_t index, bool used) {
   if (--bucket.pending == 0) {
     if (options_.batched_grad_copy) flush_batched(bucket);
     timing_.bucket_ready(bucket);
-    if (!gate_) launch_ready_buckets();
+    if (!ext_.gate) launch_ready_buckets();
   }
 }
 
@@ -116,7 +119,7 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
   const bool release = releases(bucket.path);
   if (release || lends_buffer(bucket)) ensure_storage(bucket.buffer);
   if (main_grads_.take(index)) {  // the view holds the local sum (Note [main_grad accumulation])
-    if (divide) view.mul_(scale_);
+    if (divide) view.mul_(averaging_.scale);
     return;
   }
   if (!grad.defined()) {
@@ -137,21 +140,21 @@ void Reducer::copy_into_bucket(Bucket& bucket, size_t slot) {
     return;
   }
   if (grad.is_alias_of(view)) {
-    if (divide) view.div_(div_factor_);
+    if (divide) view.div_(averaging_.divisor);
     return;
   }
   if (view.scalar_type() != grad.scalar_type()) {
     // grad_reduce_dtype: widen first so the scaling rounds in the wide type.
     view.copy_(grad);
-    if (divide) view.mul_(scale_);
+    if (divide) view.mul_(averaging_.scale);
     return;
   }
   if (!divide) {
     if (!streams(grad) || !stream_copy(view, grad, std::nullopt)) view.copy_(grad);
   } else if (grad.requires_grad()) {
-    view.copy_(at::mul(grad, scale_));  // create_graph=True: keep grad's graph out
-  } else if (!streams(grad) || !stream_copy(view, grad, scale_value_)) {
-    at::mul_out(view, grad, scale_);  // See Note [Streaming copies] in stream_copy.cpp
+    view.copy_(at::mul(grad, averaging_.scale));  // create_graph=True: keep grad's graph out
+  } else if (!streams(grad) || !stream_copy(view, grad, averaging_.scale_value)) {
+    at::mul_out(view, grad, averaging_.scale);  // See Note [Streaming copies] in stream_copy.cpp
   }
   if (release) {
     grad = at::Tensor();  // See Note [Released gradients]
@@ -177,10 +180,10 @@ void Reducer::release_in_place(Bucket& bucket, const std::vector<at::Tensor>& pa
 // and rebuilt from rank 0's broadcast ready order), so the i-th collective of a step is
 // the same bucket everywhere, whatever order gradients become ready in on each rank.
 void Reducer::launch_ready_buckets() {
-  while (next_launch_ < layout_.size() && layout_[next_launch_].pending == 0) {
-    launch(layout_[next_launch_++]);
+  while (progress_.next_launch < layout_.size() && layout_[progress_.next_launch].pending == 0) {
+    launch(layout_[progress_.next_launch++]);
   }
-  if (next_launch_ == layout_.size() && usage_.tracking()) {
+  if (progress_.next_launch == layout_.size() && usage_.tracking()) {
     usage_.start_allreduce(pg_, layout_.device());  // See Note [Parameter usage]
   }
 }
@@ -212,7 +215,8 @@ void Reducer::flush_batched(Bucket& bucket) {
     }
     bucket.deferred.clear();
   }
-  if (plan_.reducer_averages && !gate_) bucket.buffer.div_(div_factor_);  // gate: it divides
+  if (plan_.reducer_averages && !ext_.gate)
+    bucket.buffer.div_(averaging_.divisor);  // gate: it divides
 }
 
 // Note [Inline collectives]
@@ -237,19 +241,19 @@ void Reducer::launch(Bucket& bucket) {
     return;
   }
   if (!in_place(bucket.path) && lends_buffer(bucket)) ensure_storage(bucket.buffer);
-  for (auto& callback : pre_launch_) callback(bucket);
+  for (auto& callback : ext_.pre_launch) callback(bucket);
   bucket.launch_ns = now_ns();
-  const comm::OpLabel label{static_cast<int64_t>(bucket.index), forwards_, step_};
-  if (!step_labelled_ && step_label_elements() > 0) {  // See Note [Step labels over the group]
-    step_labelled_ = true;
-    hook_->begin_step(label);
+  const comm::OpLabel label{static_cast<int64_t>(bucket.index), progress_.forwards, progress_.step};
+  if (!progress_.labelled && step_label_elements() > 0) {  // See Note [Step labels over the group]
+    progress_.labelled = true;
+    ext_.hook->begin_step(label);
   }
   FuturePtr future = launches_in_place(bucket)
-                         ? hook_->run_in_place(bucket, layout_.size(), params_, bucket.grads,
-                                               scale_value_, label)
-                         : hook_->run(bucket, layout_.size(), params_, label);
+                         ? ext_.hook->run_in_place(bucket, layout_.size(), params_, bucket.grads,
+                                                   averaging_.scale_value, label)
+                         : ext_.hook->run(bucket, layout_.size(), params_, label);
   Bucket* target = &bucket;
-  auto* callbacks = &post_done_;
+  auto* callbacks = &ext_.post_done;
   // Reduced where they are, a sharded optimizer's gradients go once its hook kept its
   // range (Note [Released gradients]).
   std::vector<at::Tensor> released;

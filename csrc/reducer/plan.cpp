@@ -34,17 +34,17 @@ const char* path_name(BucketPath path) {
 }
 
 void Reducer::replan() {
-  plan_.reduction = hook_->reduction();
-  const comm::Wire* wire = hook_->wire();
+  plan_.reduction = ext_.hook->reduction();
+  const comm::Wire* wire = ext_.hook->wire();
   plan_.wire = wire != nullptr ? std::optional<comm::Wire>(*wire) : std::nullopt;
   plan_.releases = plan_.sharding == Sharding::kReleased && !options_.grad_reduce_dtype.has_value();
-  plan_.reducer_averages = hook_->reducer_divides();
-  plan_.divides_in_copy = plan_.reducer_averages && !gate_ && !options_.batched_grad_copy;
+  plan_.reducer_averages = ext_.hook->reducer_divides();
+  plan_.divides_in_copy = plan_.reducer_averages && !ext_.gate && !options_.batched_grad_copy;
   const bool allowed = in_place_allowed();
   plan_.paths.clear();
   plan_.any_in_place = false;
   for (const auto& bucket : layout_.buckets()) {
-    const bool here = allowed && hook_->reduces_in_place_on(bucket->buffer);
+    const bool here = allowed && ext_.hook->reduces_in_place_on(bucket->buffer);
     plan_.any_in_place = plan_.any_in_place || here;
     plan_.paths.push_back(plan_.releases
                               ? (here ? BucketPath::kReleasedInPlace : BucketPath::kReleased)

@@ -63,21 +63,20 @@ Reducer::Reducer(std::vector<at::Tensor> params, std::vector<std::string> names,
                  ReducerOptions options)
     : params_(std::move(params)),
       names_(std::move(names)),
-      pg_(std::move(pg)),
+      pg_(checked(pg)),
       options_(options),
-      rank_(checked(pg_)->getRank()),
-      div_factor_(pg_->getSize()),
-      self_(std::make_shared<Reducer*>(this)),
-      usage_(params_.size(), rank_, options.find_unused_parameters, options.static_graph),
+      averaging_{pg_->getSize()},
+      usage_(params_.size(), pg_->getRank(), options.find_unused_parameters, options.static_graph),
       recorder_(params_.size(), options.find_unused_parameters, options.static_graph),
       timing_(params_.size(), options.record_timeline,
-              static_cast<size_t>(std::max<int64_t>(options.timeline_steps, 0))),
-      marked_(params_.size(), 0) {
+              static_cast<size_t>(std::max<int64_t>(options.timeline_steps, 0))) {
+  grad_hooks_.self = std::make_shared<Reducer*>(this);
+  progress_.marked.assign(params_.size(), 0);
   TORCH_CHECK_VALUE(!params_.empty(), "Reducer: no parameters that require grad");
   TORCH_CHECK_VALUE(names_.size() == params_.size(), "Reducer: ", names_.size(), " names for ",
                     params_.size(), " parameters");
-  hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
-                                             options_.wire_format);
+  ext_.hook = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
+                                                 options_.wire_format);
   rebuild_buckets(assignment);
   // Buckets the wire in effect cannot carry are refused now, naming a parameter, rather than
   // at their first backward (See Note [The wire as a value] in comm/wire.h); a re-cut keeps
@@ -102,8 +101,8 @@ void Reducer::install_hooks() {
   for (size_t index = 0; index < params_.size(); ++index) {
     auto accumulator = torch::autograd::impl::grad_accumulator(params_[index]);
     TORCH_CHECK(accumulator, "parameter ", names_[index], " has no gradient accumulator");
-    std::weak_ptr<Reducer*> weak = self_;
-    hook_keys_.push_back(
+    std::weak_ptr<Reducer*> weak = grad_hooks_.self;
+    grad_hooks_.keys.push_back(
         accumulator->add_post_hook(std::make_unique<torch::autograd::utils::LambdaPostHook>(
             [weak, index](const torch::autograd::variable_list& outputs,
                           const torch::autograd::variable_list& /*inputs*/) {
@@ -113,19 +112,20 @@ void Reducer::install_hooks() {
             [](torch::dynamo::autograd::CompiledNodeArgs& /*args*/) {
               refuse_compiled_autograd();  // See Note [Compiled autograd]
             })));
-    accumulators_.push_back(std::move(accumulator));
+    grad_hooks_.accumulators.push_back(std::move(accumulator));
   }
 }
 
 void Reducer::remove_hooks() {
-  for (size_t i = 0; i < accumulators_.size(); ++i) accumulators_[i]->del_post_hook(hook_keys_[i]);
-  accumulators_.clear();
-  hook_keys_.clear();
+  for (size_t i = 0; i < grad_hooks_.accumulators.size(); ++i)
+    grad_hooks_.accumulators[i]->del_post_hook(grad_hooks_.keys[i]);
+  grad_hooks_.accumulators.clear();
+  grad_hooks_.keys.clear();
 }
 
 void Reducer::rebuild_buckets(const std::vector<std::vector<size_t>>& assignment) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(state_ != State::kBackward, "cannot rebuild buckets during backward");
+  TORCH_CHECK(progress_.state != State::kBackward, "cannot rebuild buckets during backward");
   const auto sums = main_grads_.save(layout_);
   layout_.build(params_, names_, assignment, options_.grad_reduce_dtype,
                 options_.gradient_as_bucket_view);
@@ -142,18 +142,18 @@ at::Tensor Reducer::grad_view(size_t index) const {
 }
 
 void Reducer::reset_step() {
-  next_launch_ = 0;
-  std::fill(marked_.begin(), marked_.end(), 0);
-  finalize_queued_ = false;  // a backward that raised dropped its queued callback
+  progress_.next_launch = 0;
+  std::fill(progress_.marked.begin(), progress_.marked.end(), 0);
+  progress_.finalize_queued = false;  // a backward that raised dropped its queued callback
   layout_.reset_step();
   usage_.reset_step();
   timing_.reset_step();
-  last_hooked_ = -1;
-  step_labelled_ = false;
+  progress_.last_hooked = -1;
+  progress_.labelled = false;
 }
 
 void Reducer::refuse_unfinalized() const {
-  TORCH_CHECK(!awaits_manual_finalize(), "pycomm DDP (rank ", rank_,
+  TORCH_CHECK(!awaits_manual_finalize(), "pycomm DDP (rank ", rank(),
               "): the previous synchronized backward was not finalized: with "
               "require_manual_backward_finalization, call finalize_backward() after each "
               "synchronized backward, before the next forward (See Note [Manual backward "
@@ -163,9 +163,10 @@ void Reducer::refuse_unfinalized() const {
 std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs) {
   std::lock_guard<std::mutex> lock(mutex_);
   refuse_unfinalized();
-  std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
+  std::string note = progress_.state == State::kBackward ? abandon_unfinished_step()
+                                                         : std::string();
   reset_step();
-  usage_.plan(outputs, accumulators_);
+  usage_.plan(outputs, grad_hooks_.accumulators);
   // A parameter frozen after construction is never reached by the backward. Where this
   // step marks it unused it trains on: the walk of find_unused_parameters finds it, as
   // torch's does (static_graph's learned set holds it only if it was unused in the first
@@ -179,21 +180,21 @@ std::string Reducer::prepare_for_backward(const std::vector<at::Tensor>& outputs
     if (options_.find_unused_parameters && usage_.counting_hooks()) continue;
     const std::vector<size_t>& unused = usage_.unused();
     TORCH_CHECK(std::find(unused.begin(), unused.end(), i) != unused.end(), "pycomm DDP (rank ",
-                rank_, "): parameter ", names_[i],
+                rank(), "): parameter ", names_[i],
                 " no longer requires grad: requires_grad changed after "
                 "DistributedDataParallel was constructed; wrap the module again, or pass "
                 "find_unused_parameters=True without static_graph (a frozen parameter is "
                 "then an unused one)");
   }
-  ++forwards_;
-  recorder_.plan(outputs, accumulators_);
-  std::weak_ptr<Reducer*> weak = self_;
+  ++progress_.forwards;
+  recorder_.plan(outputs, grad_hooks_.accumulators);
+  std::weak_ptr<Reducer*> weak = grad_hooks_.self;
   for (const auto& out : outputs) {
     if (out.defined() && out.grad_fn()) {
       out.grad_fn()->add_pre_hook(std::make_unique<BackwardStartHook>(weak));
     }
   }
-  state_ = State::kPrepared;
+  progress_.state = State::kPrepared;
   return note;
 }
 
@@ -205,9 +206,11 @@ std::string Reducer::prepare_no_sync() {
     if (!c10::GradMode::is_enabled()) return std::string();
     refuse_unfinalized();
   }
-  std::string note = state_ == State::kBackward ? abandon_unfinished_step() : std::string();
-  state_ = State::kIdle;
-  if (c10::GradMode::is_enabled()) ++forwards_;  // a no_sync micro-step (not an evaluation)
+  std::string note = progress_.state == State::kBackward ? abandon_unfinished_step()
+                                                         : std::string();
+  progress_.state = State::kIdle;
+  if (c10::GradMode::is_enabled())
+    ++progress_.forwards;  // a no_sync micro-step (not an evaluation)
   return note;
 }
 
@@ -218,14 +221,15 @@ void Reducer::set_comm_hook(std::unique_ptr<CommHook> hook) {
                   ? "a ZeroRedundancyOptimizer with release_gradients=True reduces this DDP's "
                     "buckets with its own hook; a communication hook cannot be added"
                   : "a communication hook is already registered; register it once");
-  TORCH_CHECK(step_ == 0, "register the communication hook before the first backward");
-  hook_ = std::move(hook);
+  TORCH_CHECK(progress_.step == 0, "register the communication hook before the first backward");
+  ext_.hook = std::move(hook);
   replan();
 }
 
 void Reducer::attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook) {
   std::lock_guard<std::mutex> lock(mutex_);
-  TORCH_CHECK(state_ != State::kBackward, "attach a sharder between steps, not during a backward");
+  TORCH_CHECK(progress_.state != State::kBackward,
+              "attach a sharder between steps, not during a backward");
   TORCH_CHECK((sharding == Sharding::kReleased) == (hook != nullptr), "attach_sharding: a hook ",
               "comes with the released mode, and only with it; got mode '", sharding_name(sharding),
               "' ", hook ? "with" : "without", " a hook");
@@ -235,10 +239,10 @@ void Reducer::attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook)
               "a communication hook is registered on this DDP; a sharder cannot replace it");
   const bool hook_changes = hook || plan_.sharding == Sharding::kReleased;
   if (hook) {
-    hook_ = std::move(hook);
+    ext_.hook = std::move(hook);
   } else if (plan_.sharding == Sharding::kReleased) {  // its hook goes: the default again
-    hook_ = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
-                                               options_.wire_format);
+    ext_.hook = std::make_unique<AllreduceSumHook>(pg_, options_.inline_collectives,
+                                                   options_.wire_format);
   }
   if (hook_changes) {  // other collectives from here: the wire's error feedback restarts
     for (const auto& bucket : layout_.buckets()) bucket->wire_residual.reset();
@@ -249,21 +253,21 @@ void Reducer::attach_sharding(Sharding sharding, std::unique_ptr<CommHook> hook)
 
 void Reducer::add_pre_launch(BucketCallback callback) {
   std::lock_guard<std::mutex> lock(mutex_);
-  pre_launch_.push_back(std::move(callback));
+  ext_.pre_launch.push_back(std::move(callback));
   replan();
 }
 
 void Reducer::add_post_done(BucketCallback callback, bool reads_buffer) {
   std::lock_guard<std::mutex> lock(mutex_);
-  post_done_.push_back(std::move(callback));
-  post_done_reads_buffer_ = post_done_reads_buffer_ || reads_buffer;
+  ext_.post_done.push_back(std::move(callback));
+  ext_.post_done_reads_buffer = ext_.post_done_reads_buffer || reads_buffer;
   replan();
 }
 
 void Reducer::set_divide_factor(int64_t factor) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK_VALUE(factor > 0, "divide factor must be positive, got ", factor);
-  div_factor_ = factor;
+  averaging_.divisor = factor;
 }
 
 void Reducer::note_shadowed_step(const std::optional<at::Tensor>& global_used) {

@@ -7,9 +7,10 @@
 // Note: the bucket layout (BucketLayout, bucket.h), parameter usage and static_graph's
 // hook counts (Usage, usage.h), the recorded step and the one rebuild (RebuildRecorder,
 // rebuild.h), fp32 main gradients (MainGrads, main_grad.h), step timing (StepTiming,
-// timeline.h). The Reducer itself owns the step's progress (state_, marked_, next_launch_),
-// the hooks, the extension points (comm hook, bucket callbacks, launch gate) and the lock;
-// in-place reduction (in_place.cpp) keeps its per-step state in each Bucket.
+// timeline.h), and what is decided once, the plan (Plan, plan.h). The Reducer itself owns
+// the step's progress (Progress), the averaging, the gradient hooks, the extension points
+// (comm hook, bucket callbacks, launch gate) and the lock; in-place reduction
+// (in_place.cpp) keeps its per-step state in each Bucket.
 //
 //   backward:  [grads of bucket 0 land][grads of bucket 1 land][grads of bucket 2 land]
 //   comm:                   [allreduce b0 ........][allreduce b1 .......][allreduce b2 ..]
@@ -152,7 +153,7 @@ class Reducer {
   // Elements of the label each synchronized step exchanges before its first bucket (See
   // Note [Step labels over the group] in comm/step_label.cpp); 0: none.
   int64_t step_label_elements() const {
-    return layout_.device().is_cpu() ? hook_->step_label_elements() : 0;
+    return layout_.device().is_cpu() ? ext_.hook->step_label_elements() : 0;
   }
   // Reducer indices of the parameters the last synchronized step left unreduced because
   // no rank used them (find_unused_parameters, static_graph): their param.grad stays as
@@ -182,7 +183,7 @@ class Reducer {
   const std::vector<std::unique_ptr<Bucket>>& buckets() const { return layout_.buckets(); }
   const std::vector<at::Tensor>& params() const { return params_; }
   const std::vector<std::string>& names() const { return names_; }
-  int64_t rank() const { return rank_; }
+  int64_t rank() const { return pg_->getRank(); }
   const comm::ProcessGroupPtr& process_group() const { return pg_; }
   // The bucket view holding parameter `index`'s gradient (fp32 with grad_reduce_dtype).
   at::Tensor grad_view(size_t index) const;
@@ -243,24 +244,42 @@ class Reducer {
     return options_.streaming_copies && !grad.requires_grad();
   }
 
+  // What the reducer reduces, over which group, with which options.
   std::vector<at::Tensor> params_;
   std::vector<std::string> names_;
   comm::ProcessGroupPtr pg_;
   ReducerOptions options_;
-  int64_t rank_ = 0;
-  int64_t div_factor_ = 1;
+  // Where the group's ranks are (set_peer_hosts), for failure messages.
   std::vector<std::pair<std::string, std::string>> peer_hosts_;
-  std::vector<AccumulatorPtr> accumulators_;
-  std::vector<uintptr_t> hook_keys_;
-  std::shared_ptr<Reducer*> self_;  // weak handle for hooks that may outlive us
 
-  // Extension points.
-  std::unique_ptr<CommHook> hook_;
-  std::vector<BucketCallback> pre_launch_;
-  std::vector<BucketCallback> post_done_;
-  bool post_done_reads_buffer_ = false;
-  LaunchGate gate_;
+  // The post-hooks on the parameters' gradient accumulators that drive the step.
+  struct GradHooks {
+    std::vector<AccumulatorPtr> accumulators;
+    std::vector<uintptr_t> keys;
+    std::shared_ptr<Reducer*> self;  // weak handle for hooks that may outlive us
+  };
+  GradHooks grad_hooks_;
+
+  // Extension points: what reduces a bucket and what runs around its collective. Set
+  // between steps; each change replans.
+  struct Extensions {
+    std::unique_ptr<CommHook> hook;
+    std::vector<BucketCallback> pre_launch;
+    std::vector<BucketCallback> post_done;
+    bool post_done_reads_buffer = false;
+    LaunchGate gate;
+  };
+  Extensions ext_;
   Plan plan_;  // See Note [The reducer's plan]; replan() writes it
+
+  // The averaging: the divisor (world size; join lowers it: set_divide_factor), and the
+  // factor each gradient is multiplied by, 1 / divisor, taken when a backward begins.
+  struct Averaging {
+    int64_t divisor = 1;
+    at::Tensor scale;  // a wrapped scalar
+    double scale_value = 1.0;  // the same, for stream_copy
+  };
+  Averaging averaging_;
 
   // The parts (see the top of this file); guarded by mutex_ like the rest.
   BucketLayout layout_;
@@ -269,23 +288,25 @@ class Reducer {
   MainGrads main_grads_;
   StepTiming timing_;
 
-  // The step's progress.
   mutable std::mutex mutex_;
-  State state_ = State::kIdle;
-  size_t next_launch_ = 0;  // buckets launched so far, in index order (Note [Bucket order])
-  std::vector<uint8_t> marked_;  // per parameter: marked ready this step
-  int64_t last_hooked_ = -1;  // the last parameter a hook marked ready this step
-  bool finalize_queued_ = false;  // finalize_backward is queued on a graph task
   bool manual_finalization_ = false;  // See Note [Manual backward finalization]
-  at::Tensor scale_;  // 1 / div_factor_, a wrapped scalar
-  double scale_value_ = 1.0;  // the same, for stream_copy
-  int64_t step_ = 0;  // synchronized steps finalized
-  // Forwards with grad enabled (synchronized or under no_sync) since the last synchronized
-  // backward: part of each bucket's label (See Note [Collective identity] in
-  // shm/collectives.cpp).
-  int64_t forwards_ = 0;
-  bool step_labelled_ = false;  // this step's label went out (See Note [Step labels over the
-                                // group] in comm/step_label.cpp)
+  // The step's progress.
+  struct Progress {
+    State state = State::kIdle;
+    size_t next_launch = 0;  // buckets launched so far, in index order (Note [Bucket order])
+    std::vector<uint8_t> marked;  // per parameter: marked ready this step
+    int64_t last_hooked = -1;     // the last parameter a hook marked ready this step
+    bool finalize_queued = false;  // finalize_backward is queued on a graph task
+    int64_t step = 0;              // synchronized steps finalized
+    // Forwards with grad enabled (synchronized or under no_sync) since the last
+    // synchronized backward: part of each bucket's label (See Note [Collective identity]
+    // in shm/collectives.cpp).
+    int64_t forwards = 0;
+    // This step's label went out (See Note [Step labels over the group] in
+    // comm/step_label.cpp).
+    bool labelled = false;
+  };
+  Progress progress_;
 };
 
 }  // namespace pycomm::reducer
