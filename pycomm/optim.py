@@ -8,7 +8,7 @@ prepare, the HF Trainer) into one. With or without pycomm's DDP.
 
 Each step() runs the one-pass kernel (pycomm::adam_step_: Note [Adam in one pass, with
 torch's bits] in csrc/grad/adam_cpu.cpp) where it gives the for-loop's bits (Note
-[Probing the one-pass Adam] in pycomm/zero/adam_step.py): float32 on CPU, no amsgrad,
+[Probing the one-pass Adam] in pycomm/adam_step.py): float32 on CPU, no amsgrad,
 maximize, capturable, differentiable, foreach or fused, float hyperparameters. Elsewhere
 torch's own step runs, so the result is always torch's; the first such step warns once,
 naming why, and `one_pass_reason()` and `step_kernel` say which ran.
@@ -23,7 +23,7 @@ from typing import Any, Optional
 import torch
 from torch.optim import Optimizer
 
-from .zero import adam_step
+from . import adam_step
 
 __all__ = ["Adam", "AdamW", "one_pass"]
 

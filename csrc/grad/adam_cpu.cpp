@@ -52,7 +52,7 @@ namespace {
 // ATen's: on x86 ATen takes it from MKL's vector math, which is not correctly rounded
 // (std::sqrt differs in ~0.7% of elements), so no other sqrt would do.
 // The result is torch's bits, element for element, on the builds checked; an ATen built
-// otherwise would not fail loudly, so pycomm/zero/adam_step.py first steps a probe both
+// otherwise would not fail loudly, so pycomm/adam_step.py first steps a probe both
 // ways and uses this kernel only where the two agree bitwise.
 //
 // Note [Zeros around the square root]
@@ -81,7 +81,7 @@ namespace {
 // dispatch per call: 16M elements take 23 ms, 1M 0.8 ms (fused: 20.6 and 0.84). Elsewhere
 // ATen's call stays, on chunks of a block (AdamRoute::kAten). The direct call is used only
 // after it gave ATen's bits on a sample (mkl_root_check), and the probe of
-// pycomm/zero/adam_step.py still compares whole steps.
+// pycomm/adam_step.py still compares whole steps.
 constexpr int64_t kBlock = 1 << 15;  // elements per parallel unit, and the ATen route's chunk
 constexpr int64_t kChunk = 512;      // the MKL route's chunk: 5 x 2 KiB stay in L1
 // What ATen's vml.h passes MKL: VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE.

@@ -6,7 +6,6 @@
                  or its own, and where each piece's gradient is read
   flat.py        the flat parameter buffers, the pieces stepped, the all-gathers and tails
   layout.py      which elements each rank owns (flat shards of the buckets)
-  adam_step.py   torch's Adam / AdamW stepped in one pass on CPU, where it gives their bits
   hook.py        the DDP communication hook: a bucket reduce-scattered, the rank's shard
                  kept, the bucket freed
   checkpoint.py  the state dicts: consolidated, sharded, loaded onto any layout

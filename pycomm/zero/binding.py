@@ -31,7 +31,7 @@ collectives only sum, with DDP's numerics):
   fp64) or fp32 main copies of them (bf16, fp16: Megatron's main parameters), with the
   kept gradients (widened to fp32 for a low-precision bucket). 1/world of the optimizer's
   state and memory traffic per rank. On CPU torch's Adam and AdamW are stepped in one pass
-  over memory, with their own bits (adam_step.py; step_kernel says which step ran).
+  over memory, with their own bits (pycomm/adam_step.py; step_kernel says which step ran).
 - then every bucket's parameters are all-gathered, last bucket first (the first layers
   are in the last bucket): each parameter is a view of its bucket's flat parameter buffer,
   which the all-gather fills in place. With overlap_with_ddp=True the all-gathers run

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import adam_step
+from .. import adam_step
 from . import layout as shard_layout
 from .layout import BucketShard, Piece
 
@@ -68,7 +68,7 @@ class FlatShards:
         """The pieces' longest run (0: unblocked): See Note [Stepping in cache-sized
         blocks] in layout.py; blocks for an optimizer that steps CPU tensors one at a
         time (neither foreach nor fused, in any group), unless the one-pass Adam steps
-        them (adam_step.py), which blocks its own passes."""
+        them (pycomm/adam_step.py), which blocks its own passes."""
         lists = any(g.get(k) for g in [self.defaults, *self.param_groups]
                     for k in ("foreach", "fused"))
         on_cpu = all(p.device.type == "cpu" for p in self._params)

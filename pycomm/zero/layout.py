@@ -42,7 +42,7 @@ of it for a parameter of tens of millions. A block is a piece like any other: th
 dicts and re-cuts see runs of a parameter, whatever their length. Where the optimizer
 steps lists of tensors per operation (foreach, fused, and torch's default on GPUs)
 blocks gain nothing and are not cut (optimizer.py decides); nor where torch's Adam or
-AdamW is stepped in one pass (adam_step.py), whose kernel cuts its own blocks.
+AdamW is stepped in one pass (pycomm/adam_step.py), whose kernel cuts its own blocks.
 """
 
 from __future__ import annotations

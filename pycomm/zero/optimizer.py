@@ -35,9 +35,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from .. import _C, ops
+from .. import _C, adam_step, ops
 from ..clip import clip_from_partial
-from . import adam_step
 from .binding import DDPBinding
 from .checkpoint import ShardedStateDicts
 from .flat import FlatShards
@@ -94,7 +93,7 @@ class ZeroRedundancyOptimizer(DDPBinding, FlatShards, ShardedStateDicts, Optimiz
         self._holds_state = False  # stepped, or loaded: a re-cut must move the state
         self._first_grads = None  # See Note [The first step's buckets]
         self.optim: Optional[Optimizer] = None
-        # what stepped the pieces last: "pycomm one-pass Adam" (adam_step.py), or the
+        # what stepped the pieces last: "pycomm one-pass Adam" (pycomm/adam_step.py), or the
         # wrapped optimizer's own step and why the one-pass step did not run
         self.step_kernel: Optional[str] = None
         self._relayout(whole=None)

@@ -113,3 +113,26 @@ def test_ddp_helpers_do_not_import_the_module():
     """pycomm/ddp/'s helpers are handed what they use; only the package imports module.py."""
     importers = {m for m, deps in _graph().items() if "pycomm.ddp.module" in deps}
     assert importers == {"pycomm.ddp"}, importers
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+@pytest.mark.parametrize("module, kept_out", [
+    ("pycomm.optim", "pycomm.zero"),
+    ("pycomm.adam_step", "pycomm.zero"),
+    ("pycomm.adam_step", "pycomm.optim"),
+])
+def test_the_one_pass_adam_sits_beside_both_of_its_users(module, kept_out):
+    """pycomm/adam_step.py is the step of both pycomm.optim and pycomm.zero: the general
+    optimizer does not depend on the sharded package, and the kernel's module on neither."""
+    reached = {m for m in _reach(_graph(), module)
+               if m == kept_out or m.startswith(kept_out + ".")}
+    assert reached == set(), f"{module} imports {sorted(reached)}"

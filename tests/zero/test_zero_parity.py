@@ -15,7 +15,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from pycomm.zero import adam_step
+from pycomm import adam_step
 from pycomm.zero import layout as shard_layout
 from tests.support.ddp_models import build, loss_of, make_input
 from tests.support.multirank import run_ranks

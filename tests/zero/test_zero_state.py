@@ -14,7 +14,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import pycomm
-from pycomm.zero import adam_step
+from pycomm import adam_step
 from pycomm.zero import layout as shard_layout
 from tests.support.ddp_models import build, loss_of, make_input
 from tests.support.multirank import run_ranks
@@ -124,7 +124,7 @@ def _save(rank, world_size, folder):
     """Train 6 steps; save the model, the consolidated state dict and every rank's shard;
     check the consolidated one is what a plain AdamW holds after the same training. The
     pieces are stepped by AdamW's own step in blocks of 37 elements (Note [Stepping in
-    cache-sized blocks]), which _resume's optimizers, stepped in one pass (adam_step.py),
+    cache-sized blocks]), which _resume's optimizers, stepped in one pass (pycomm/adam_step.py),
     do not cut: a shard's runs load onto any cut of the same parameters, and the state of
     either step onto the other."""
     shard_layout.STEP_BLOCK = 37

@@ -1,7 +1,7 @@
-"""The one-pass Adam of the sharded optimizer (pycomm/zero/adam_step.py, the kernel in
-csrc/grad/adam_cpu.cpp): torch's own Adam / AdamW step, bit for bit, on every form of the
-update it takes; a refusal, naming why, for every other; the probe that keeps it off
-where it would differ; the kernel's argument errors."""
+"""The one-pass Adam of pycomm.optim and the sharded optimizer (pycomm/adam_step.py, the
+kernel in csrc/grad/adam_cpu.cpp): torch's own Adam / AdamW step, bit for bit, on every
+form of the update it takes; a refusal, naming why, for every other; the probe that keeps
+it off where it would differ; the kernel's argument errors."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import pycomm
-from pycomm.zero import adam_step
+from pycomm import adam_step
 
 # lengths that cross vectors, remainders, the MKL route's 512-element chunks and the
 # kernel's 32 Ki-element blocks

@@ -1,6 +1,7 @@
-"""The sharded optimizer's Adam / AdamW step on CPU in one pass (pycomm::adam_step_: See
-Note [Adam in one pass, with torch's bits] in csrc/grad/adam_cpu.cpp), where it gives
-torch's bits.
+"""torch's Adam / AdamW step on CPU in one pass (pycomm::adam_step_: See Note [Adam in one
+pass, with torch's bits] in csrc/grad/adam_cpu.cpp), where it gives torch's bits: the step
+of pycomm.optim's classes and of pycomm.ZeroRedundancyOptimizer's pieces. It imports
+neither; both import it.
 
 Note [Probing the one-pass Adam]
 The kernel repeats the rounding of each of torch's elementwise operations as ATen's float
