@@ -48,9 +48,8 @@ class _OnePass:
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        why = self.one_pass_reason()
+        why = adam_step.try_step(self, self.one_pass_of)  # one_pass_reason(), remembered
         if why is None:
-            adam_step.step(self)
             self.step_kernel = ONE_PASS_STEP
             return loss
         if not getattr(self, "_warned", False):

@@ -118,9 +118,8 @@ class ZeroRedundancyOptimizer(DDPBinding, FlatShards, ShardedStateDicts, Optimiz
         for (_, _, main), run in zip(self._pieces, self._grad_runs()):
             main.grad = run if run is None or run.dtype == main.dtype else run.to(main.dtype)
         forwarded = kwargs or (closure is not None and not callable(closure))
-        why = adam_step.reason(self.optim) if not forwarded else "step() was given arguments"
+        why = adam_step.try_step(self.optim) if not forwarded else "step() was given arguments"
         if why is None:
-            adam_step.step(self.optim)
             self.step_kernel = "pycomm one-pass Adam"
         else:
             if callable(closure):
