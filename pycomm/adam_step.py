@@ -68,6 +68,7 @@ from torch.optim import Adam, AdamW, Optimizer
 from torch.optim import optimizer as torch_optimizer
 
 ONE_PASS = True  # False: every optimizer steps itself (the tests of blocks set it)
+ONE_PASS_STEP = "pycomm one-pass Adam"  # an optimizer's step_kernel where the kernel ran
 CLASSES = (Adam, AdamW)  # exactly these: a subclass may step otherwise
 _OFF = ("amsgrad", "maximize", "capturable", "differentiable", "foreach", "fused")
 _PROBE_LENGTHS = (1, 7, 37, 4099, (1 << 15) + 1001)  # the kernel's block is 1 << 15

@@ -24,10 +24,9 @@ import torch
 from torch.optim import Optimizer
 
 from . import adam_step
+from .adam_step import ONE_PASS_STEP
 
 __all__ = ["Adam", "AdamW", "one_pass"]
-
-ONE_PASS_STEP = "pycomm one-pass Adam"
 
 
 class _OnePass:

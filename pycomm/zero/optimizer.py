@@ -120,7 +120,7 @@ class ZeroRedundancyOptimizer(DDPBinding, FlatShards, ShardedStateDicts, Optimiz
         forwarded = kwargs or (closure is not None and not callable(closure))
         why = adam_step.try_step(self.optim) if not forwarded else "step() was given arguments"
         if why is None:
-            self.step_kernel = "pycomm one-pass Adam"
+            self.step_kernel = adam_step.ONE_PASS_STEP
         else:
             if callable(closure):
                 loss = self.optim.step(closure=lambda: loss, **kwargs)
