@@ -76,10 +76,7 @@ const CudaClip*& cuda_clip() {
 }
 
 void check_total_finite(bool finite, double norm_type) {
-  TORCH_CHECK(finite, "The total norm of order ", norm_type,
-              " for gradients from `parameters` "
-              "is non-finite, so it cannot be clipped. To disable this error and scale the "
-              "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`");
+  TORCH_CHECK(finite, nonfinite_norm_message(norm_type));
 }
 
 at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double norm_type,

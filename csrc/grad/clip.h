@@ -1,9 +1,11 @@
 // The C++ entry points of gradient clipping: the composite behind pycomm::clip_grad_norm_
-// (csrc/grad/clip.cpp) and its eager fast path from Python (csrc/grad/clip_bind.cpp).
+// (csrc/grad/clip.cpp), its eager fast path from Python (csrc/grad/clip_bind.cpp), and
+// torch's words for a non-finite norm (csrc/grad/clip_finish.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
 #include <utility>
 
 #include "grad/span_list.h"
@@ -17,6 +19,10 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
 
 // error_if_nonfinite's check, with torch's message.
 void check_total_finite(bool finite, double norm_type);
+
+// torch.nn.utils.clip_grad_norm_'s words for a non-finite total norm under
+// error_if_nonfinite, character for character (norm_type written as Python writes a float).
+std::string nonfinite_norm_message(double norm_type);
 
 // What a build with CUDA adds to clipping (csrc/grad/clip_cuda.cu registers it when the
 // extension loads; a build without CUDA leaves cuda_clip() null).

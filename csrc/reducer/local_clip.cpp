@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "comm/c10d.h"
+#include "grad/clip.h"
 #include "grad/grad_math.h"
 #include "reducer/reducer.h"
 
@@ -87,7 +88,8 @@ class LocalClip {
   // never matches and wait out the group timeout. So each rank puts its "non-finite" flag
   // in its slot of a world-sized vector, one all-reduce sums them (before any bucket
   // launches; a joined rank shadows it with zeros, pycomm/ddp/join.py), and after a host
-  // sync (torch's error_if_nonfinite syncs too) every rank raises naming the bad ranks.
+  // sync (torch's error_if_nonfinite syncs too) every rank raises: a bad rank with torch's
+  // words (what torch's clip_grad_norm_ raises on its gradients), the others naming it.
   // Nothing was scaled or launched: each rank's grads are its local, unclipped ones, as
   // torch's clip_grad_norm_ leaves them when it raises. A rank that never gets here (it
   // died) makes the others' all-reduce fail within the group timeout.
@@ -108,12 +110,11 @@ class LocalClip {
     if (bad.tellp() == 0) return;
     constexpr const char* left = "; nothing was reduced: every rank's gradients are its local, "
                                  "unclipped ones";
+    // torch's words, as its clip_grad_norm_ would raise them on this rank's gradients
     TORCH_CHECK(flag[rank] == 0.0f, "pycomm DDP local clipping (rank ", rank,
-                "): the total norm of order ", norm_type, " of this rank's local gradients is ",
-                std::isnan(total.item<double>()) ? "nan" : "inf",
-                ", so it cannot be clipped "
-                "(DDPConfig.local_clip_error_if_nonfinite=True)",
-                left);
+                "), this rank's local norm is ", std::isnan(total.item<double>()) ? "nan" : "inf",
+                ": ", nonfinite_norm_message(norm_type),
+                " (DDPConfig.local_clip_error_if_nonfinite here)", left);
     TORCH_CHECK(false, "pycomm DDP local clipping (rank ", rank, "): rank(s) ", bad.str(),
                 " had a non-finite local gradient norm "
                 "(DDPConfig.local_clip_error_if_nonfinite=True)",

@@ -4,11 +4,13 @@ torch's DDP under no_sync (local gradients only), torch.nn.utils.clip_grad_norm_
 rank, then the average all-reduce written out (or the comm hook's own reduction). 2 and 3
 ranks, with no_sync accumulation, with torch's allreduce and fp16 compression hooks, a
 check that no bucket was launched before backward ended, local_clip_error_if_nonfinite
-(one rank's gradients are inf), and join() with uneven inputs."""
+(one rank's gradients are inf, then nan), and join() with uneven inputs."""
 
 from __future__ import annotations
 
 import copy
+import math
+import re
 import time
 
 import pytest
@@ -118,11 +120,13 @@ def _oracle_and_ours(error_if_nonfinite):
 
 def _nonfinite(rank, world):
     ref, ours, opts = _oracle_and_ours(error_if_nonfinite=True)
-    for step, bad_rank in enumerate((None, 1, None)):
+    # (the rank whose local gradients are not finite, what its loss is scaled by)
+    for step, (bad_rank, bad) in enumerate(((None, 1.0), (1, math.inf), (None, 1.0),
+                                            (1, math.nan))):
         for opt in opts:
             opt.zero_grad(set_to_none=True)
         x = make_input("mlp", rank, step)
-        scale = float("inf") if rank == bad_rank else 1.0
+        scale = bad if rank == bad_rank else 1.0
         with ref.no_sync():
             (loss_of(ref(x)) * scale).backward()
         if bad_rank is None:
@@ -134,13 +138,15 @@ def _nonfinite(rank, world):
             continue
         local = [p.grad.clone() for p in ref.parameters()]
         if rank == bad_rank:  # what torch does with these gradients: raise, leave them
-            with pytest.raises(RuntimeError, match="non-finite"):
+            with pytest.raises(RuntimeError, match="non-finite") as raised:
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), MAX_NORM,
                                                error_if_nonfinite=True)
             for g, p in zip(local, ref.parameters()):
                 torch.testing.assert_close(p.grad, g, rtol=0, atol=0, equal_nan=True)
-            expected = r"\(rank 1\): the total norm of order 2 of this rank's local " \
-                       r"gradients is (inf|nan), so it cannot be clipped"
+            # torch's words, character for character, in the local clip's context
+            expected = r"\(rank 1\), this rank's local norm is (inf|nan): " + \
+                       re.escape(str(raised.value)) + \
+                       r" \(DDPConfig.local_clip_error_if_nonfinite here\); nothing was reduced"
         else:
             expected = r"\(rank 0\): rank\(s\) 1 had a non-finite local gradient norm"
         start = time.monotonic()
