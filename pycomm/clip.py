@@ -6,12 +6,14 @@ DistributedDataParallel.clip_grad_norm_ is pycomm/ddp/clip.py.
 
 Note [Clipping from partials]
 A clip whose gradients are spread (over buckets, over ranks) merges norm partials
-(pycomm.ops.norm_partial: [sum |g|^p or max |g|, nonfinite]) and finishes in one place,
-clip_from_partial: the norm and coefficient (ops.clip_coef, rounded as torch rounds
-them), the non-finite refusal, the scale. DistributedDataParallel.clip_grad_norm_ merges
-its reduced buckets' partials; the sharded optimizer with released gradients all-reduces
-each rank's partial of its shards. pycomm.clip_grad_norm_ on whole gradients does the same
-in one C++ call (csrc/grad/clip.cpp).
+(pycomm.ops.norm_partial: [sum |g|^p or max |g|, nonfinite]), then clip_from_partial
+finishes and scales: the norm and coefficient, rounded as torch rounds them, and torch's
+non-finite refusal come from the one finish every clip ends with, C++'s finish_clip
+(pycomm._C._finish_clip; See Note [One clip finish] in csrc/grad/clip.h).
+DistributedDataParallel.clip_grad_norm_ merges its reduced buckets' partials; the sharded
+optimizer with released gradients all-reduces each rank's partial of its shards.
+pycomm.clip_grad_norm_ on whole gradients does the same in one C++ call
+(csrc/grad/clip.cpp).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _C, ops, registry
-from .norms import finish_norm
 
 _Tensors = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -122,7 +123,8 @@ def clip_from_partial(grads: list[torch.Tensor], partial: torch.Tensor, max_norm
                       norm_dtype: torch.dtype) -> torch.Tensor:
     """Scale `grads` by the clip coefficient of the merged norm `partial` (See Note
     [Clipping from partials]); the total norm, in `norm_dtype`."""
-    total, coef = finish_norm(partial, max_norm, norm_type, error_if_nonfinite, norm_dtype)
+    total, coef = _C._finish_clip(partial, float(max_norm), float(norm_type),
+                                  bool(error_if_nonfinite), norm_dtype)
     if grads:
         ops.scale_(grads, coef)
     return total

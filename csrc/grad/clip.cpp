@@ -1,10 +1,10 @@
 // pycomm::clip_grad_norm_: torch.nn.utils.clip_grad_norm_ composed from the fused ops in one
 // call, so a list of a thousand gradients crosses from Python once. Device-independent: it
-// calls norm_partial / clip_coef / scale_ through the dispatcher, which picks the CPU or
-// CUDA kernels. Host syncs: none, except the check error_if_nonfinite asks for (as torch).
+// calls norm_partial and scale_ through the dispatcher, which picks the CPU or CUDA
+// kernels, and ends with the one finish (See Note [One clip finish] in clip.h). Host
+// syncs: none, except the check error_if_nonfinite asks for (as torch).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/isfinite.h>
 #include <ATen/ops/maximum.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/library.h>
@@ -22,15 +22,6 @@ at::Tensor call_norm_partial(at::TensorList ts, double norm_type) {
                        .findSchemaOrThrow("pycomm::norm_partial", "")
                        .typed<at::Tensor(at::TensorList, double)>();
   return op.call(ts, norm_type);
-}
-
-std::tuple<at::Tensor, at::Tensor> call_clip_coef(const at::Tensor& partial, double norm_type,
-                                                  double max_norm, at::ScalarType dtype) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("pycomm::clip_coef", "")
-                       .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double, double,
-                                                                 at::ScalarType)>();
-  return op.call(partial, norm_type, max_norm, dtype);
 }
 
 void call_scale(at::TensorList ts, const at::Tensor& factor) {
@@ -75,10 +66,6 @@ const CudaClip*& cuda_clip() {
   return registered;
 }
 
-void check_total_finite(bool finite, double norm_type) {
-  TORCH_CHECK(finite, nonfinite_norm_message(norm_type));
-}
-
 at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double norm_type,
                                bool error_if_nonfinite) {
   constexpr const char* op = "pycomm::clip_grad_norm_";
@@ -118,8 +105,8 @@ at::Tensor clip_grad_norm_impl(at::TensorList grads, double max_norm, double nor
                                          : at::add(partial, p);
     }
   }
-  auto [total, coef] = call_clip_coef(partial, norm_type, max_norm, norm_dtype(grads));
-  if (error_if_nonfinite) check_total_finite(at::isfinite(total).item<bool>(), norm_type);
+  auto [total, coef] = finish_clip(partial, max_norm, norm_type, error_if_nonfinite,
+                                   norm_dtype(grads));
   if (one_device) {
     call_scale(grads, coef);
   } else {

@@ -12,9 +12,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
-#include <cmath>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "grad/clip.h"
@@ -108,17 +108,18 @@ std::optional<at::Tensor> clip_params_cpu(const pybind11::list& parameters, doub
     keep.emplace(read_grads(parameters));
     no_gil.emplace();
   }
-  double partial[2];
-  norm_partial_spans(l, kind, norm_type, partial);
-  // clip_coef's arithmetic, as the composite runs it. (The composite's partial is rounded to
-  // float32 unless a gradient is float64, and then the norm's opmath type is float32 too:
-  // rounding it here first would change nothing.)
-  at::Tensor total = at::empty({}, at::TensorOptions().dtype(norm_dtype));
-  const auto [norm, coef] = clip_coef_of(partial[0], kind, norm_type, max_norm, norm_dtype,
-                                         total.mutable_data_ptr());
-  if (error_if_nonfinite) check_total_finite(std::isfinite(norm), norm_type);
+  at::Tensor partial = at::empty({2}, at::TensorOptions().dtype(at::kDouble));
+  norm_partial_spans(l, kind, norm_type, partial.mutable_data_ptr<double>());
+  // The one finish (See Note [One clip finish] in clip.h) of the partial in float64. (The
+  // composite's is rounded to float32 unless a gradient is float64, and then the norm's
+  // opmath type is float32 too: rounding it here first would change nothing.)
+  const ClipFinish finish = finish_clip(partial, max_norm, norm_type, error_if_nonfinite,
+                                        norm_dtype);
+  const double coef = finish.coef.scalar_type() == at::kDouble
+                          ? *finish.coef.const_data_ptr<double>()
+                          : *finish.coef.const_data_ptr<float>();  // opmath: float or double
   if (coef != 1.0) scale_spans(l, coef);  // clipping inactive: no pass over memory at all
-  return total;
+  return finish.total;
 }
 
 // Whether the CUDA clip may take `t` as a span: a dense floating tensor of the plain kind on
@@ -192,6 +193,20 @@ void bind_clip(pybind11::module& m) {
         pybind11::arg("error_if_nonfinite") = false,
         "pycomm.clip_grad_norm_ on a list of parameters (reads .grad in C++); None when a "
         "gradient is a Python tensor subclass (e.g. a DTensor), which it leaves untouched.");
+  m.def(
+      "_finish_clip",
+      [](const at::Tensor& partial, double max_norm, double norm_type, bool error_if_nonfinite,
+         at::ScalarType norm_dtype) {
+        ClipFinish finish = finish_clip(partial, max_norm, norm_type, error_if_nonfinite,
+                                        norm_dtype);
+        return std::make_tuple(std::move(finish.total), std::move(finish.coef));
+      },
+      pybind11::arg("partial"), pybind11::arg("max_norm"), pybind11::arg("norm_type"),
+      pybind11::arg("error_if_nonfinite"), pybind11::arg("norm_dtype"),
+      pybind11::call_guard<pybind11::gil_scoped_release>(),
+      "(total norm in norm_dtype, clip coefficient) of a merged norm partial, refusing a "
+      "non-finite total as torch does under error_if_nonfinite: the one finish of every "
+      "clip (Note [One clip finish] in csrc/grad/clip.h).");
   m.def(
       "_tile_plans",
       []() -> std::optional<std::pair<int64_t, int64_t>> {

@@ -1,11 +1,14 @@
-// How a clip ends: torch's words for a non-finite total norm under error_if_nonfinite,
-// which every clip's refusal raises (the composite's and the eager path's through
-// check_total_finite in clip.cpp, the local clip's in its collective refusal).
+// finish_clip, the one finish of every clip (See Note [One clip finish] in clip.h), and
+// torch's words for a non-finite total norm.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+
 #include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <tuple>
 
 #include "grad/clip.h"
 
@@ -40,6 +43,22 @@ std::string python_float_repr(double x) {
 }
 
 }  // namespace
+
+ClipFinish finish_clip(const at::Tensor& partial, double max_norm, double norm_type,
+                       bool error_if_nonfinite, at::ScalarType norm_dtype) {
+  static auto clip_coef = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("pycomm::clip_coef", "")
+                              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double,
+                                                                        double, at::ScalarType)>();
+  // Below autograd, as the composite (clip.cpp): clipping is not differentiable, and the
+  // Autograd key's fallback for a pycomm op is boxed.
+  c10::impl::ExcludeDispatchKeyGuard below_autograd(
+      c10::autograd_dispatch_keyset_with_ADInplaceOrView);
+  auto [total, coef] = clip_coef.call(partial, norm_type, max_norm, norm_dtype);
+  TORCH_CHECK(!error_if_nonfinite || std::isfinite(total.item<double>()),
+              nonfinite_norm_message(norm_type));
+  return {std::move(total), std::move(coef)};
+}
 
 std::string nonfinite_norm_message(double norm_type) {
   return "The total norm of order " + python_float_repr(norm_type) +

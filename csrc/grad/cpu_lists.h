@@ -6,8 +6,6 @@
 
 #include <c10/core/ScalarType.h>
 
-#include <utility>
-
 #include "grad/grad_math.h"
 #include "grad/span_list.h"
 
@@ -19,11 +17,5 @@ void norm_partial_spans(const SpanList& l, NormKind kind, double p, double out[2
 
 // x *= c over every element of `l`. The caller skips c == 1.
 void scale_spans(const SpanList& l, double c);
-
-// clip_coef's arithmetic on an accumulated partial `acc` (already rounded to the partial's
-// dtype): writes the total norm, in norm_dtype, to *total and returns it and the clip
-// coefficient (a value of at::toOpMathType(norm_dtype)), both exact in a double.
-std::pair<double, double> clip_coef_of(double acc, NormKind kind, double p, double max_norm,
-                                       at::ScalarType norm_dtype, void* total);
 
 }  // namespace pycomm

@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "grad/cpu_lists.h"
@@ -145,6 +146,24 @@ void accumulate_cpu_(at::TensorList acc, at::TensorList grads, double scale) {
   });
 }
 
+// clip_coef's arithmetic on an accumulated partial `acc` (already rounded to the partial's
+// dtype): writes the total norm, in norm_dtype, to *total and returns it and the clip
+// coefficient (a value of at::toOpMathType(norm_dtype)), both exact in a double. Every CPU
+// clip reaches it through the op (See Note [One clip finish] in clip.h).
+std::pair<double, double> clip_coef_of(double acc, NormKind kind, double p, double max_norm,
+                                       at::ScalarType norm_dtype, void* total) {
+  double norm = 0.0, coef = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_of", [&] {
+    using Acc = at::opmath_type<scalar_t>;
+    const auto t = static_cast<scalar_t>(norm_finish<Acc>(static_cast<Acc>(acc), kind,
+                                                          static_cast<Acc>(p)));
+    *static_cast<scalar_t*>(total) = t;
+    norm = static_cast<double>(t);
+    coef = static_cast<double>(clip_coefficient<scalar_t>(t, static_cast<Acc>(max_norm)));
+  });
+  return {norm, coef};
+}
+
 std::tuple<at::Tensor, at::Tensor> clip_coef_cpu(const at::Tensor& partial, double norm_type,
                                                  double max_norm, at::ScalarType norm_dtype) {
   constexpr const char* op = "pycomm::clip_coef";
@@ -209,20 +228,6 @@ void scale_spans(const SpanList& l, double c) {
           });
     }
   });
-}
-
-std::pair<double, double> clip_coef_of(double acc, NormKind kind, double p, double max_norm,
-                                       at::ScalarType norm_dtype, void* total) {
-  double norm = 0.0, coef = 0.0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, norm_dtype, "clip_coef_of", [&] {
-    using Acc = at::opmath_type<scalar_t>;
-    const auto t = static_cast<scalar_t>(norm_finish<Acc>(static_cast<Acc>(acc), kind,
-                                                          static_cast<Acc>(p)));
-    *static_cast<scalar_t*>(total) = t;
-    norm = static_cast<double>(t);
-    coef = static_cast<double>(clip_coefficient<scalar_t>(t, static_cast<Acc>(max_norm)));
-  });
-  return {norm, coef};
 }
 
 const CpuPieces& cpu_pieces() {

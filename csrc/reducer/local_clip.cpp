@@ -48,10 +48,6 @@ class LocalClip {
     static auto norm_op = c10::Dispatcher::singleton()
                               .findSchemaOrThrow("pycomm::norm_partial", "")
                               .typed<at::Tensor(at::TensorList, double)>();
-    static auto coef_op = c10::Dispatcher::singleton()
-                              .findSchemaOrThrow("pycomm::clip_coef", "")
-                              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, double,
-                                                                        double, at::ScalarType)>();
     static auto scale_op = c10::Dispatcher::singleton()
                                .findSchemaOrThrow("pycomm::scale_", "")
                                .typed<void(at::TensorList, const at::Tensor&)>();
@@ -64,7 +60,10 @@ class LocalClip {
     const at::Tensor partial = norm_op.call(buffers, norm_type);
     at::ScalarType dtype = buffers.front().scalar_type();  // torch's: the grads' promotion
     for (const auto& b : buffers) dtype = c10::promoteTypes(dtype, b.scalar_type());
-    auto [total, coef] = coef_op.call(partial, norm_type, max_norm, dtype);
+    // The one finish (See Note [One clip finish] in grad/clip.h), but for its refusal: this
+    // clip's is collective (Note [Non-finite local norm]).
+    auto [total, coef] = finish_clip(partial, max_norm, norm_type, /*error_if_nonfinite=*/false,
+                                     dtype);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       total_ = total;

@@ -26,9 +26,10 @@ step, so only the first step looks at placements. Per step:
    sharded on it (SUM, or MAX for the inf norm); a slot sharded on two dimensions is
    summed over both, one after the other;
 4. the rows merge (+, or max), across meshes too, then across `pp_mesh` (the pipeline
-   stages, whose ranks hold different parameters); clip_coef finishes the norm in torch's
-   dtype and rounding, and one scale pass per device scales every local tensor (none when
-   the coefficient is 1).
+   stages, whose ranks hold different parameters); the one finish of every clip
+   (pycomm._C._finish_clip; See Note [One clip finish] in csrc/grad/clip.h) gives the norm
+   in torch's dtype and rounding, and one scale pass per device scales every local tensor
+   (none when the coefficient is 1).
 For the inf norm, a NaN does not survive a MAX all-reduce (max(1, nan) depends on the
 operands' order), so each row carries [max |g| with nan read as inf, whether it saw a
 nan], and a nan flag after the merge makes the total nan, as torch's max propagates it.
@@ -52,7 +53,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from .. import _C, ops
-from ..norms import finish_norm
 
 # Specs remembered at most; past it the memo starts over (only a model whose gradients get
 # a fresh spec every step, e.g. some tensor-parallel plans, ever fills it).
@@ -203,7 +203,8 @@ def clip_dtensor_grads_(params: list[torch.Tensor], max_norm: float, norm_type: 
     if inf:
         partial = torch.stack([total_row[0].masked_fill(total_row[1] > 0, math.nan),
                                total_row[1]])
-    total, coef = finish_norm(partial, max_norm, norm_type, error_if_nonfinite, norm_dtype)
+    total, coef = _C._finish_clip(partial, float(max_norm), norm_type, bool(error_if_nonfinite),
+                                  norm_dtype)
     scale(coef)
     if len(meshes) == 1 and pp_mesh is None and _PLAIN not in partials:
         (mesh,) = meshes

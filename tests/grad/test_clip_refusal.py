@@ -4,8 +4,9 @@ returns torch's norm: pycomm.clip_grad_norm_ on plain CPU gradients (the C++ wal
 .grad, and the pycomm::clip_grad_norm_ composite that strided gradients take),
 pycomm.ops.clip_grad_norm_, pycomm.clip_grad_norm_ on FSDP2's DTensor gradients,
 DistributedDataParallel.clip_grad_norm_ from its bucket partials and the sharded
-optimizer's clip from its shards. The oracle is torch's clip on the same gradients, whole.
-The local clip's refusal, a collective one, is tests/grad/test_local_clip.py's."""
+optimizer's clip from its shards, all of which end in the one finish (See Note [One clip
+finish] in csrc/grad/clip.h). The oracle is torch's clip on the same gradients, whole. The
+local clip's refusal, a collective one, is tests/grad/test_local_clip.py's."""
 
 from __future__ import annotations
 
