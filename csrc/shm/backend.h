@@ -84,7 +84,7 @@ class ShmBackend : public c10d::Backend, public comm::BucketAllreduce {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
   // The list forms FSDP2 issues under torch's coalescing manager, each one collective for
-  // the whole list (See Note [Coalesced into-tensor collectives] in backend_tensor_lists.cpp).
+  // the whole list (See Note [Coalesced into-tensor collectives] in coalesced.h).
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
       std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override;

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include "shm/backend.h"
+#include "shm/coalesced.h"
 #include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
 
@@ -57,46 +58,6 @@ Split packed_split(const std::vector<at::Tensor>& tensors, int64_t* numel) {
     *numel += t.numel();
   }
   return s;
-}
-
-// Note [Coalesced into-tensor collectives]
-// all_gather_into_tensor and reduce_scatter_tensor issued inside torch's coalescing
-// manager (FSDP2 issues them so) arrive as one list, and all_gather_coalesced's list of
-// lists is the same all-gather laid out per rank. Each runs as one collective over the
-// whole list, not one round per entry: the entries are packed into one buffer, rank by
-// rank (for the all-gather, this rank's inputs back to back; for the reduce-scatter,
-// every entry's block for rank 0, then for rank 1, ...), the one collective runs on it,
-// and the results are unpacked into the outputs. The packing copies each byte once each
-// way, as Gloo's own coalesced path does, and makes the result independent of how the
-// entries alias. The all-gather moves bytes, so entries of any dtypes mix; a reduction
-// needs one dtype, so a mixed reduce-scatter list is refused by entry.
-
-// Entry i of a coalesced list: its input and output, checked for an all-gather (output
-// world x input) or a reduce-scatter (input world x output).
-void check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
-                     const std::vector<at::Tensor>& inputs, int world, bool gather) {
-  TORCH_CHECK_VALUE(outputs.size() == inputs.size(), "pycomm ", op, ": ", outputs.size(),
-                    " outputs for ", inputs.size(), " inputs");
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    const at::Tensor& in = inputs[i];
-    const at::Tensor& out = outputs[i];
-    check_dense(op, in);
-    check_dense(op, out);
-    const int64_t expect = gather ? in.numel() * world : in.numel() / world;
-    TORCH_CHECK_VALUE(out.scalar_type() == in.scalar_type() && out.numel() == expect &&
-                          (gather || in.numel() == out.numel() * world),
-                      "pycomm ", op, ": entry ", i, " has a ", in.scalar_type(), " input of ",
-                      in.numel(), " elements and a ", out.scalar_type(), " output of ", out.numel(),
-                      "; expected the output ", gather ? "world x" : "1/world of",
-                      " the input (world ", world, ") in the input's dtype");
-  }
-}
-
-// Bytes of `tensors` packed back to back: one rank's block in a coalesced all-gather.
-int64_t packed_bytes(const std::vector<at::Tensor>& tensors) {
-  int64_t bytes = 0;
-  for (const auto& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
-  return bytes;
 }
 
 }  // namespace
@@ -208,14 +169,8 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::alltoall(std::vector<at::Tensor>& out
 
 at::Tensor ShmBackend::gather_packed(const std::vector<at::Tensor>& ins, int64_t block,
                                      const OpContext& c) {
-  const auto bytes = at::TensorOptions().dtype(at::kByte);
-  at::Tensor mine = at::empty({block}, bytes);
-  at::Tensor all = at::empty({block * size_}, bytes);
-  for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
-    const int64_t n = static_cast<int64_t>(ins[i].nbytes());
-    mine.narrow(0, off, n).copy_(ins[i].contiguous().reshape({-1}).view(at::kByte));
-    off += n;
-  }
+  at::Tensor mine = pack_block(ins);
+  at::Tensor all = at::empty({block * size_}, mine.options());
   std::vector<char*> ptrs;
   for (int r = 0; r < size_; ++r) ptrs.push_back(static_cast<char*>(all.data_ptr()) + r * block);
   channel_->allgather(static_cast<const char*>(mine.data_ptr()), block, ptrs, c);
@@ -232,15 +187,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::allgather_into_tensor_coalesced(
   return enqueue(
       op, c10d::OpType::COALESCED, outs,
       [this, ins, outs, block](const OpContext& c) {
-        at::Tensor all = gather_packed(ins, block, c);
-        for (int64_t i = 0, off = 0; i < static_cast<int64_t>(outs.size()); ++i) {
-          const int64_t n = static_cast<int64_t>(ins[i].nbytes());
-          at::Tensor packed = at::empty({n * size_}, all.options());
-          for (int r = 0; r < size_; ++r)
-            packed.narrow(0, r * n, n).copy_(all.narrow(0, r * block + off, n));
-          outs[i].copy_(packed.view(outs[i].scalar_type()).view(outs[i].sizes()));
-          off += n;
-        }
+        unpack_gathered(gather_packed(ins, block, c), block, ins, outs, size_);
       },
       opts);
 }
@@ -285,13 +232,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(
     const c10d::ReduceScatterOptions& opts) {
   constexpr const char* op = "reduce_scatter_tensor_coalesced";
   check_coalesced(op, outputs, inputs, size_, /*gather=*/false);
-  TORCH_CHECK_VALUE(!inputs.empty(), "pycomm ", op, ": an empty list");
-  const at::ScalarType dtype = inputs[0].scalar_type();
-  for (size_t i = 1; i < inputs.size(); ++i) {
-    TORCH_CHECK_VALUE(inputs[i].scalar_type() == dtype, "pycomm ", op, ": entry ", i, " is ",
-                      inputs[i].scalar_type(), ", entry 0 is ", dtype,
-                      ": a reduction takes one dtype per call");
-  }
+  const at::ScalarType dtype = coalesced_dtype(op, inputs);
   check_reduction(op, dtype, opts.reduceOp);
   auto ins = inputs, outs = outputs;
   auto reduce = opts.reduceOp.op_;
@@ -300,17 +241,8 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(
   return enqueue(
       op, c10d::OpType::COALESCED, outs,
       [this, ins, outs, block, dtype, reduce](const OpContext& c) {
-        const auto options = at::TensorOptions().dtype(dtype);
-        at::Tensor packed = at::empty({block * size_}, options);
-        at::Tensor mine = at::empty({block}, options);
-        for (int r = 0; r < size_; ++r) {
-          for (int64_t i = 0, off = 0; i < static_cast<int64_t>(ins.size()); ++i) {
-            const int64_t n = outs[i].numel();
-            packed.narrow(0, r * block + off, n)
-                .copy_(ins[i].contiguous().reshape({-1}).narrow(0, r * n, n));
-            off += n;
-          }
-        }
+        at::Tensor packed = pack_by_rank(ins, outs, size_, dtype);
+        at::Tensor mine = at::empty({block}, packed.options());
         // Gloo reduces each entry's input as a buffer of its own (Note [Gloo's summation
         // order]): this rank's block is its part of each, back to back.
         SumOrder order;
@@ -319,11 +251,7 @@ c10::intrusive_ptr<c10d::Work> ShmBackend::reduce_scatter_tensor_coalesced(
         channel_->reduce_scatter(static_cast<char*>(packed.data_ptr()),
                                  static_cast<char*>(mine.data_ptr()), block, dtype, reduce, order,
                                  c);
-        for (int64_t i = 0, off = 0; i < static_cast<int64_t>(outs.size()); ++i) {
-          const int64_t n = outs[i].numel();
-          outs[i].copy_(mine.narrow(0, off, n).view(outs[i].sizes()));
-          off += n;
-        }
+        unpack_block(mine, outs);
       },
       opts);
 }
