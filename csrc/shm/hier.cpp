@@ -12,6 +12,7 @@
 #include <utility>
 #include <vector>
 
+#include "shm/coalesced.h"
 #include "shm/hier_phase.h"
 #include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
@@ -103,6 +104,25 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_reduce_scatter_base(
                  });
 }
 
+c10::intrusive_ptr<c10d::Work> HierBackend::reduce_scatter_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::ReduceScatterOptions& opts) {
+  constexpr const char* op = "reduce_scatter_tensor_coalesced";
+  check_coalesced(op, outputs, inputs, size_, /*gather=*/false);
+  const at::ScalarType dtype = coalesced_dtype(op, inputs);
+  check_reduction(op, dtype, opts.reduceOp);
+  const auto reduce = opts.reduceOp.op_;
+  return enqueue(op, c10d::OpType::COALESCED, outputs,
+                 [this, ins = inputs, outs = outputs, dtype, reduce,
+                  piece = piece_bytes_](uint64_t seq) {
+                   // See Note [Coalesced into-tensor collectives] in coalesced.h
+                   at::Tensor packed = pack_by_rank(ins, outs, size_, dtype);
+                   at::Tensor mine = at::empty({packed.numel() / size_}, packed.options());
+                   reduce_scatter_tensor(seq, piece, mine, packed, reduce);
+                   unpack_block(mine, outs);
+                 });
+}
+
 comm::WorkPtr HierBackend::reduce_scatter_wire(at::Tensor output, at::Tensor input,
                                                const comm::Wire& wire,
                                                std::shared_ptr<comm::WireResidual> residual) {
@@ -124,6 +144,22 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_allgather_base(at::Tensor& output, 
   return enqueue("all_gather_into_tensor", c10d::OpType::_ALLGATHER_BASE, {output},
                  [this, output, input, piece = piece_bytes_](uint64_t seq) {
                    all_gather_tensor(seq, piece, output, input);
+                 });
+}
+
+c10::intrusive_ptr<c10d::Work> HierBackend::allgather_into_tensor_coalesced(
+    std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+    const c10d::AllgatherOptions& opts) {
+  constexpr const char* op = "all_gather_into_tensor_coalesced";
+  check_coalesced(op, outputs, inputs, size_, /*gather=*/true);
+  return enqueue(op, c10d::OpType::COALESCED, outputs,
+                 [this, ins = inputs, outs = outputs, piece = piece_bytes_](uint64_t seq) {
+                   // See Note [Coalesced into-tensor collectives] in coalesced.h: this
+                   // rank's inputs as one block of bytes, gathered as one tensor
+                   at::Tensor mine = pack_block(ins);
+                   at::Tensor all = at::empty({mine.numel() * size_}, mine.options());
+                   all_gather_tensor(seq, piece, all, mine);
+                   unpack_gathered(all, mine.numel(), ins, outs, size_);
                  });
 }
 
@@ -262,7 +298,7 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
     at::Tensor chunks = at::empty({L * H * len}, in.options());
     permute(in, chunks, s, blocks.begin(j), len, /*to_chunks=*/true);
     at::Tensor mine = chunks;  // one rank per host: nothing to combine (Note [One rank per
-    if (L > 1) {               // host] in hier_allreduce.cpp)
+    if (L > 1) {  // host] in hier_allreduce.cpp)
       mine = at::empty({H * len}, in.options());
       wait_phase(op, seq, blocks.detail(j), rank_, host_, hosts_, *local_,
                  "the reduce-scatter within the host",

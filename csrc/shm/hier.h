@@ -4,7 +4,7 @@
 //   local  the ranks of this host, over shared memory (a ShmBackend)
 //   cross  the ranks of every host with this rank's local index, one per host (Gloo)
 //   flat   every rank of the group (Gloo), for the operations other than all-reduce and
-//          the tensor forms of reduce-scatter and all-gather
+//          the tensor forms of reduce-scatter and all-gather (single or coalesced)
 //
 // Note [Hierarchical all-reduce]
 // H hosts of L ranks each, S bytes to all-reduce. The buffer is cut into L shards (the
@@ -147,6 +147,14 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
   }
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
       at::Tensor& output, at::Tensor& input, const c10d::ReduceScatterOptions& opts) override;
+  // The list forms torch's coalescing manager issues (FSDP2's), each one pipeline over the
+  // entries packed rank by rank (Note [Coalesced into-tensor collectives] in coalesced.h).
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::AllgatherOptions& opts) override;
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
+      std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+      const c10d::ReduceScatterOptions& opts) override;
   c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
                                         std::vector<at::Tensor>& inputs,
                                         const c10d::GatherOptions& opts) override {
