@@ -17,6 +17,7 @@ every operation but all-reduce).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets
@@ -144,14 +145,66 @@ def _gloo(store: dist.Store, rank: int, size: int,
     return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What a "pycomm" group is made with beyond torch's arguments, fixed for its life:
+    ``dist.new_group(backend="pycomm", pg_options=pycomm.shm.Options(wire="bf16"))``, or
+    ``dist.init_process_group("pycomm", pg_options=...)``."""
+
+    wire: str | _C.Wire = "fp32"
+    """What a reduce-scatter of the group (``reduce_scatter_tensor``, and the coalesced
+    form FSDP2's coalescing issues) sends across hosts: "fp32" (the values as they are),
+    "bf16" or "int8" (a pycomm.Wire, or its name). Each host's sums of a rank's range cross
+    once, encoded, and the rank adds them in float32 (Note [Low-precision wire] in
+    csrc/shm/wire_codec.h), so a gradient FSDP2 reduce-scatters is rounded once to the
+    wire's precision, its sum formed in float32. It applies to SUM and AVG reduce-scatters
+    of float32, bfloat16 and float16 tensors; others (float64, integers, MAX, ...) cross
+    as they are. All-reduces and all-gathers always cross as they are: a norm or a loss
+    all-reduced on the group keeps its bits. On a group whose ranks share one host nothing
+    crosses a host and the option changes nothing (a warning says so). Error feedback needs
+    a residual kept per tensor across steps, which a group's collectives have no tensor to
+    key by: DDPConfig(wire_error_feedback=True) has it for a DDP's buckets."""
+
+    def __post_init__(self):
+        wire = self.wire
+        if isinstance(wire, str):
+            wire = _C.Wire(wire, False)  # a misspelt name raises here, naming what it takes
+        elif not isinstance(wire, _C.Wire):
+            raise TypeError(f"pycomm.shm.Options(wire=...) takes a pycomm.Wire or one of "
+                            f"'fp32', 'bf16', 'int8', got {type(wire).__name__}")
+        _C.HierBackend.check_group_wire(wire)
+        object.__setattr__(self, "wire", wire)
+
+
+def _options(pg_options: object) -> Options:
+    if pg_options is None:
+        return Options()
+    if not isinstance(pg_options, Options):
+        raise TypeError(f"a \"pycomm\" group takes pg_options=pycomm.shm.Options(...), got "
+                        f"{type(pg_options).__module__}.{type(pg_options).__qualname__}")
+    return pg_options
+
+
+def _create_from_torch(opts, pg_options: object):
+    """The creator torch calls for each new "pycomm" group (registered with torch's
+    extended API: its options, and the group's pg_options)."""
+    return create_backend(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                          pg_options)
+
+
 def create_backend(store: dist.Store, rank: int, size: int,
-                   timeout: datetime.timedelta):
-    """The creator torch calls for each new "pycomm" group (store, rank, size, timeout):
-    a shared-memory backend when every rank runs on this host, else the hierarchical one
-    (See Note [Hierarchical all-reduce] in csrc/shm/hier.h) when every host holds the
-    same number of ranks."""
+                   timeout: datetime.timedelta, pg_options: Options | None = None):
+    """The backend of a new "pycomm" group (store, rank, size, timeout, and its
+    pycomm.shm.Options): a shared-memory backend when every rank runs on this host, else
+    the hierarchical one (See Note [Hierarchical all-reduce] in csrc/shm/hier.h) when every
+    host holds the same number of ranks."""
+    options = _options(pg_options)
     layout = HostLayout(_hosts(store, rank, size))
     if len(layout.hosts) == 1:
+        if not options.wire.exact:
+            warnings.warn(f"pycomm group of {size} ranks on one host: nothing crosses a host, "
+                          f"so Options(wire={options.wire.name!r}) changes nothing",
+                          stacklevel=2)
         return _create_local(store, rank, size, timeout)
     if not layout.uniform:
         raise ValueError(
@@ -167,13 +220,14 @@ def create_backend(store: dist.Store, rank: int, size: int,
     cross = _gloo(dist.PrefixStore(f"pycomm/cross{local_rank}/", store), host,
                   len(layout.hosts), timeout)
     flat = _gloo(dist.PrefixStore("pycomm/flat/", store), rank, size, timeout)
-    return _C.HierBackend(rank, size, host, layout.hosts, local, cross, flat)
+    return _C.HierBackend(rank, size, host, layout.hosts, local, cross, flat, options.wire)
 
 
 def register() -> None:
     """Make `dist.init_process_group("pycomm")` available (idempotent)."""
     if BACKEND_NAME not in dist.Backend.backend_list:
-        dist.Backend.register_backend(BACKEND_NAME, create_backend, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, _create_from_torch, extended_api=True,
+                                      devices=["cpu"])
 
 
 def stats(group: dist.ProcessGroup | None = None) -> dict[str, int]:

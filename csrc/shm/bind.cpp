@@ -170,17 +170,22 @@ void bind_hier(pybind11::module& m) {
       "c10d backend of a group over several hosts: all-reduce, reduce_scatter_tensor and "
       "all_gather_into_tensor hierarchically (shared memory within a host, `cross` across "
       "hosts), the rest on `flat` (see csrc/shm/hier.h). ranks[h][l]: the group rank of "
-      "host h's local rank l")
+      "host h's local rank l; `wire`: what its reduce-scatters send across hosts (Note [A "
+      "group's wire])")
       .def(py::init([](int rank, int size, int host, std::vector<std::vector<int>> ranks,
                        c10::intrusive_ptr<shm::ShmBackend> local,
                        c10::intrusive_ptr<c10d::Backend> cross,
-                       c10::intrusive_ptr<c10d::Backend> flat) {
+                       c10::intrusive_ptr<c10d::Backend> flat, const comm::Wire& wire) {
              return c10::make_intrusive<shm::HierBackend>(rank, size, host, std::move(ranks),
                                                           std::move(local), std::move(cross),
-                                                          std::move(flat));
+                                                          std::move(flat), wire);
            }),
            py::arg("rank"), py::arg("size"), py::arg("host"), py::arg("ranks"), py::arg("local"),
-           py::arg("cross"), py::arg("flat"))
+           py::arg("cross"), py::arg("flat"), py::arg("wire") = comm::Wire{})
+      .def_property_readonly("wire", &shm::HierBackend::wire,
+                             "what the group's reduce-scatters send across hosts (a pycomm.Wire)")
+      .def_static("check_group_wire", &shm::HierBackend::check_group_wire, py::arg("wire"),
+                  "a ValueError unless `wire` can be a group's (pycomm.shm.Options.wire)")
       .def_property_readonly("host", &shm::HierBackend::host, "this rank's host (0-based)")
       .def_property_readonly("hosts", &shm::HierBackend::hosts, "the number of hosts")
       .def_property_readonly("local", &shm::HierBackend::local,

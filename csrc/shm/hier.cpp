@@ -23,16 +23,18 @@ namespace pycomm::shm {
 HierBackend::HierBackend(int rank, int size, int host, std::vector<std::vector<int>> ranks,
                          c10::intrusive_ptr<ShmBackend> local,
                          c10::intrusive_ptr<c10d::Backend> cross,
-                         c10::intrusive_ptr<c10d::Backend> flat)
+                         c10::intrusive_ptr<c10d::Backend> flat, comm::Wire wire)
     : c10d::Backend(rank, size),
       host_(host),
       hosts_(static_cast<int>(ranks.size())),
       ranks_(std::move(ranks)),
+      wire_(wire),
       local_(std::move(local)),
       cross_(std::move(cross)),
       flat_(std::move(flat)),
       lane_(std::make_shared<Executor>()) {
   TORCH_CHECK_VALUE(local_ && cross_ && flat_, "pycomm hierarchical group: a sub-group is null");
+  check_group_wire(wire_);
   TORCH_CHECK_VALUE(local_->getSize() * hosts_ == size && cross_->getSize() == hosts_ &&
                         flat_->getSize() == size,
                     "pycomm hierarchical group: ", hosts_, " hosts of ", local_->getSize(),
@@ -55,6 +57,20 @@ HierBackend::HierBackend(int rank, int size, int host, std::vector<std::vector<i
 }
 
 HierBackend::~HierBackend() { lane_->shutdown(); }
+
+void HierBackend::check_group_wire(const comm::Wire& wire) {
+  TORCH_CHECK_VALUE(!wire.error_feedback, "pycomm.shm.Options(wire=", wire.name(),
+                    "): a group's reduce-scatters keep no error-feedback residual (they have ",
+                    "no tensor to keep it for); give wire='", wire.dtype_name(),
+                    "', or use DDPConfig(wire_error_feedback=True) for a DDP's buckets");
+}
+
+comm::Wire HierBackend::reduce_scatter_wire_for(at::ScalarType dtype,
+                                                c10d::ReduceOp::RedOpType reduce) const {
+  const bool carried = (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+                       (reduce == c10d::ReduceOp::SUM || reduce == c10d::ReduceOp::AVG);
+  return carried ? wire_ : comm::Wire{};
+}
 
 #if PYCOMM_TORCH_AT_LEAST(2, 6)
 void HierBackend::shutdown() {
@@ -98,9 +114,10 @@ c10::intrusive_ptr<c10d::Work> HierBackend::_reduce_scatter_base(
   check_like("reduce_scatter_tensor", input, output, output.numel() * size_);
   check_reduction("reduce_scatter_tensor", output.scalar_type(), opts.reduceOp);
   const auto reduce = opts.reduceOp.op_;
+  const comm::Wire wire = reduce_scatter_wire_for(output.scalar_type(), reduce);
   return enqueue("reduce_scatter_tensor", c10d::OpType::_REDUCE_SCATTER_BASE, {output},
-                 [this, output, input, reduce, piece = piece_bytes_](uint64_t seq) {
-                   reduce_scatter_tensor(seq, piece, output, input, reduce);
+                 [this, output, input, reduce, wire, piece = piece_bytes_](uint64_t seq) {
+                   reduce_scatter_tensor(seq, piece, output, input, reduce, wire);
                  });
 }
 
@@ -112,13 +129,14 @@ c10::intrusive_ptr<c10d::Work> HierBackend::reduce_scatter_tensor_coalesced(
   const at::ScalarType dtype = coalesced_dtype(op, inputs);
   check_reduction(op, dtype, opts.reduceOp);
   const auto reduce = opts.reduceOp.op_;
+  const comm::Wire wire = reduce_scatter_wire_for(dtype, reduce);
   return enqueue(op, c10d::OpType::COALESCED, outputs,
-                 [this, ins = inputs, outs = outputs, dtype, reduce,
+                 [this, ins = inputs, outs = outputs, dtype, reduce, wire,
                   piece = piece_bytes_](uint64_t seq) {
                    // See Note [Coalesced into-tensor collectives] in coalesced.h
                    at::Tensor packed = pack_by_rank(ins, outs, size_, dtype);
                    at::Tensor mine = at::empty({packed.numel() / size_}, packed.options());
-                   reduce_scatter_tensor(seq, piece, mine, packed, reduce);
+                   reduce_scatter_tensor(seq, piece, mine, packed, reduce, wire);
                    unpack_block(mine, outs);
                  });
 }
@@ -347,6 +365,8 @@ void HierBackend::reduce_scatter_tensor(uint64_t seq, int64_t piece_bytes, const
     if (j > 0) finish(j - 1);
   }
   finish(blocks.count - 1);
+  // The wire's sums are float32 sums (Note [A group's wire]): AVG divides them once.
+  if (average && !wire.exact()) sums.div_(size_);
   if (!sums.is_same(home)) home.copy_(sums);
   out.write_back();
 }

@@ -72,6 +72,19 @@
 // all-reduce sends. The copies in and out of the chunk order stay in the host's memory.
 // Sums: each element is (its host's ranks, in the shared-memory order) then hosts in order;
 // AVG sums both stages and divides once.
+//
+// Note [A group's wire]
+// A group made with pycomm.shm.Options(wire="bf16" or "int8") sends its reduce-scatters'
+// cross-host all-to-all in that wire, as reduce_scatter_wire does for a sharded DDP's
+// buckets (Note [Low-precision wire] in wire_codec.h): each host's sums of a rank's range
+// cross once, encoded, and the rank adds the H of them in float32; AVG divides that float32
+// sum by the group's size before it is written in the output's dtype. This is how FSDP2's
+// gradient reduce-scatters (single, or coalesced) get the wire without FSDP2 knowing. It is
+// decided when the group is made and applies to SUM and AVG of float32, bfloat16 and
+// float16 tensors; everything else (float64 and integer reduce-scatters, other
+// reductions, and every all-reduce and all-gather, which carry norms, losses and
+// parameters) crosses as it is. No error feedback: a group's collectives have no tensor to
+// keep a residual for from one call to the next.
 #pragma once
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -82,6 +95,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/wire.h"
 #include "shm/backend.h"
 #include "shm/work.h"
 
@@ -90,9 +104,11 @@ namespace pycomm::shm {
 class HierBackend : public c10d::Backend, public comm::WireCollectives {
  public:
   // ranks[h][l]: the group rank of host h's local rank l (host_ is this rank's h).
+  // `wire`: what the group's reduce-scatters send across hosts (pycomm.shm.Options.wire;
+  // Note [A group's wire]).
   HierBackend(int rank, int size, int host, std::vector<std::vector<int>> ranks,
               c10::intrusive_ptr<ShmBackend> local, c10::intrusive_ptr<c10d::Backend> cross,
-              c10::intrusive_ptr<c10d::Backend> flat);
+              c10::intrusive_ptr<c10d::Backend> flat, comm::Wire wire = {});
   ~HierBackend() override;
 #if PYCOMM_TORCH_AT_LEAST(2, 6)  // Backend::shutdown() appeared in torch 2.6
   // Fail what is queued on the lane once its running operation ends, then shut the three
@@ -194,6 +210,10 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
     return flat_->barrier(opts);
   }
 
+  // What the group's reduce-scatters send across hosts (Note [A group's wire]).
+  const comm::Wire& wire() const { return wire_; }
+  // A ValueError unless `wire` can be a group's: no error feedback.
+  static void check_group_wire(const comm::Wire& wire);
   int host() const { return host_; }
   int hosts() const { return hosts_; }
   const c10::intrusive_ptr<ShmBackend>& local() const { return local_; }
@@ -228,8 +248,13 @@ class HierBackend : public c10d::Backend, public comm::WireCollectives {
   void permute(const at::Tensor& group_order, const at::Tensor& chunk_order, int64_t s,
                int64_t begin, int64_t len, bool to_chunks) const;
 
+  // The wire a reduce-scatter of `dtype` with `reduce` crosses hosts in: the group's where
+  // it carries it (a SUM or AVG of float32, bfloat16 or float16), else fp32.
+  comm::Wire reduce_scatter_wire_for(at::ScalarType dtype, c10d::ReduceOp::RedOpType reduce) const;
+
   int host_, hosts_;
   std::vector<std::vector<int>> ranks_;
+  const comm::Wire wire_;
   c10::intrusive_ptr<ShmBackend> local_;
   c10::intrusive_ptr<c10d::Backend> cross_, flat_;
   std::shared_ptr<Executor> lane_;

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import pycomm.shm
 from tests.support.multirank import run_ranks
 
 
@@ -50,3 +51,33 @@ def _fsdp2_both(rank, world):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp2_on_a_pycomm_group_trains_as_on_gloo(world_size):
     run_ranks(_fsdp2_both, world_size=world_size)
+
+
+def _fsdp2_across_hosts(rank, world, wire):
+    """2 pretend hosts x 2 ranks: FSDP2 on a hierarchical pycomm group (shared memory
+    within a host, Gloo across), its all-gathers and reduce-scatters the hierarchy's, against
+    FSDP2 on Gloo. fp32: each gradient summed by host, then across hosts, where Gloo's ring
+    adds in another order: float rounding apart. With the group's bf16 wire each host's sums
+    cross rounded once to bf16 and are added in float32."""
+    from tests.shm.test_hierarchical_on_one_host import _pretend_hosts
+
+    _pretend_hosts(rank, [2, 2])
+    hier = dist.new_group(backend="pycomm", pg_options=pycomm.shm.Options(wire=wire))
+    assert pycomm.shm.hierarchy(hier)["hosts"] == 2
+    gloo = dist.new_group(backend="gloo")
+    for reshard in (True, False):
+        for mixed in (False, True):
+            theirs = _train(gloo, reshard, mixed, rank)
+            ours = _train(hier, reshard, mixed, rank)
+            tol = 1e-5 if wire == "fp32" else 2e-2
+            for a, b in zip(ours, theirs):
+                torch.testing.assert_close(a, b, rtol=tol, atol=tol,
+                                           msg=f"{wire} reshard={reshard} mixed={mixed}")
+    ops = {r["op"] for r in pycomm.shm.flight_record(hier)}
+    rs = "reduce_scatter_tensor" + ("" if wire == "fp32" else f"[wire={wire}]")
+    assert {rs, "all_gather_into_tensor"} <= ops, ops
+
+
+@pytest.mark.parametrize("wire", ["fp32", "bf16"])
+def test_fsdp2_across_hosts_on_the_hierarchy(wire):
+    run_ranks(_fsdp2_across_hosts, world_size=4, wire=wire)
