@@ -117,6 +117,7 @@ IMPLS = {
     # FSDP2 on a group of the same ranks over pycomm's shared-memory backend: only with
     # --impls, for comparison with "fsdp2" (Gloo).
     "fsdp2_pycomm": sharded.fsdp2_pycomm,
+    **{impl: sharded.fsdp2_pycomm_wire(wire) for impl, wire in sharded.FSDP2_WIRES.items()},
 }
 IMPLS.update({anchor: IMPLS[of] for anchor, of in sharded.ANCHORS.items()})
 DEFAULT_IMPLS = ("torch", "pycomm")
@@ -467,8 +468,8 @@ def _comparisons(name: str, rows: dict[str, Result]) -> list[str]:
         if zero is None:
             continue
         others = [r for impl, r in rows.items() if impl not in sharded.PYCOMM_ZERO]
-        torch_rows = [r for r in others
-                      if r.impl.startswith(("torch", "fsdp2")) and r.impl != "fsdp2_pycomm"]
+        torch_rows = [r for r in others if r.impl.startswith(("torch", "fsdp2"))
+                      and not r.impl.startswith("fsdp2_pycomm")]
         best = min(torch_rows, key=lambda r: r.step_ms) if torch_rows else None
         lines.append(f"# {name}: {zero_impl} step against " + ", ".join(
             f"{r.impl} {zero.step_ms / r.step_ms:.3f}" for r in others) +

@@ -31,7 +31,11 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 1e-6}), "adamw": (torch.optim.Adam
 # (DDPConfig.wire), which its reduce-scatter carries: for --hosts runs, with --impls.
 ZERO_WIRES = {"pycomm_zero_released_wire_bf16": "bf16", "pycomm_zero_released_wire_int8": "int8"}
 PYCOMM_ZERO = ("pycomm_zero", "pycomm_zero_released", *ZERO_WIRES)
-SHARDED = (*PYCOMM_ZERO, "torch_zero", "torch_zero_fused", "fsdp2", "fsdp2_pycomm")
+# fsdp2_pycomm on a group whose reduce-scatters cross hosts in a low-precision wire
+# (pycomm.shm.Options.wire): for --hosts runs, with --impls.
+FSDP2_WIRES = {"fsdp2_pycomm_wire_bf16": "bf16", "fsdp2_pycomm_wire_int8": "int8"}
+SHARDED = (*PYCOMM_ZERO, "torch_zero", "torch_zero_fused", "fsdp2", "fsdp2_pycomm",
+           *FSDP2_WIRES)
 # The fast anchors of an AdamW run: each DDP (or torch's ZeRO) with torch's fused=True
 # AdamW whatever --optimizer names, and pycomm's DDP with pycomm.optim.AdamW (torch's
 # for-loop bits in one pass). Each maps to the implementation whose DDP it builds.
@@ -41,18 +45,23 @@ ADAMW_IMPLS = ("pycomm_fused", "pycomm_onepass", "pycomm_zero", "pycomm_zero_rel
                "torch_fused", "torch_zero_fused", "fsdp2")
 
 
-def fsdp2(module: nn.Module, bucket_cap_mb: float, backend: str = "") -> nn.Module:
+def fsdp2(module: nn.Module, bucket_cap_mb: float, backend: str = "",
+          wire: str = "fp32") -> nn.Module:
     """torch's FSDP2 over the bench model: each block of its body (a Linear of the MLP, a
     layer of the transformer), then the root; on the default group, or on a new group of
-    `backend` ("fsdp2_pycomm": the same ranks over pycomm's shared-memory backend)."""
+    `backend` ("fsdp2_pycomm": the same ranks over pycomm's shared-memory backend, or its
+    hierarchy across hosts, whose reduce-scatters cross in `wire`)."""
     del bucket_cap_mb  # FSDP2 communicates per fully_shard unit, not per bucket
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from .. import shm
+
     options = {"reshard_after_forward": False}
     if backend:
-        group = dist.new_group(backend=backend)
+        pg_options = shm.Options(wire=wire) if backend == shm.BACKEND_NAME else None
+        group = dist.new_group(backend=backend, pg_options=pg_options)
         options["mesh"] = DeviceMesh.from_group(group, next(module.parameters()).device.type)
     body = next(iter(module.children()))
     layers = getattr(body, "layers", body)  # TransformerEncoder's layers, or the Sequential
@@ -65,6 +74,12 @@ def fsdp2(module: nn.Module, bucket_cap_mb: float, backend: str = "") -> nn.Modu
 
 def fsdp2_pycomm(module: nn.Module, bucket_cap_mb: float) -> nn.Module:
     return fsdp2(module, bucket_cap_mb, backend="pycomm")
+
+
+def fsdp2_pycomm_wire(wire: str):
+    """The maker of fsdp2_pycomm_wire_<wire>."""
+    return lambda module, bucket_cap_mb: fsdp2(module, bucket_cap_mb, backend="pycomm",
+                                               wire=wire)
 
 
 def pycomm_zero(module: nn.Module, **kwargs: Any) -> PycommDDP:
