@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "shm/lowp_convert.h"
@@ -178,7 +179,9 @@ void check_reduction(const char* op, c10::ScalarType dtype, const c10d::ReduceOp
   TORCH_CHECK_VALUE(r == c10d::ReduceOp::SUM || r == c10d::ReduceOp::AVG ||
                         r == c10d::ReduceOp::PRODUCT || r == c10d::ReduceOp::MAX ||
                         r == c10d::ReduceOp::MIN || bitwise,
-                    "pycomm ", op, ": reduce op ", static_cast<int>(r),
+                    "pycomm ", op, ": ",
+                    r == c10d::ReduceOp::PREMUL_SUM ? std::string("ReduceOp.PREMUL_SUM")
+                                                    : c10::str("reduce op ", static_cast<int>(r)),
                     " is not supported (sum, avg, product, max, min; band, bor, bxor on "
                     "integers)");
   TORCH_CHECK_VALUE(!bitwise || at::isIntegralType(dtype, /*includeBool=*/false), "pycomm ", op,
