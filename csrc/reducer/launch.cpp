@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include "comm/thread_state.h"
 #include "reducer/reducer.h"
 #include "reducer/stream_copy.h"
 
@@ -180,6 +181,8 @@ void Reducer::release_in_place(Bucket& bucket, const std::vector<at::Tensor>& pa
 // and rebuilt from rank 0's broadcast ready order), so the i-th collective of a step is
 // the same bucket everywhere, whatever order gradients become ready in on each rank.
 void Reducer::launch_ready_buckets() {
+  // See Note [No Python object in a collective's thread state] in comm/thread_state.h
+  const comm::WithoutPythonObjects no_python_objects;
   while (progress_.next_launch < layout_.size() && layout_[progress_.next_launch].pending == 0) {
     launch(layout_[progress_.next_launch++]);
   }
