@@ -67,7 +67,8 @@ void HierBackend::check_group_wire(const comm::Wire& wire) {
 
 comm::Wire HierBackend::reduce_scatter_wire_for(at::ScalarType dtype,
                                                 c10d::ReduceOp::RedOpType reduce) const {
-  const bool carried = (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf) &&
+  // Wire::carries owns which dtypes a wire encodes; an fp32 wire carries any, as it is
+  const bool carried = wire_.carries(dtype) &&
                        (reduce == c10d::ReduceOp::SUM || reduce == c10d::ReduceOp::AVG);
   return carried ? wire_ : comm::Wire{};
 }
