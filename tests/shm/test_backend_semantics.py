@@ -215,14 +215,19 @@ def _any_source(rank, world):
             assert torch.equal(t, torch.full((1000,), float(src))), (src, t[:3])
             seen[src] = True
         assert sorted(seen) == list(range(1, world)), seen
+    else:
+        dist.send(torch.full((1000,), float(rank)), dst=0)
+    # Rank 1's second message only once rank 0 took every first one: sent before, it could
+    # be the one an any-source receive of 1000 floats matches (a peer's messages keep their
+    # order, messages of different peers do not).
+    dist.barrier()
+    if rank == 0:
         t = torch.empty(3)
         work = dist.group.WORLD.recv_anysource([t], 0)
         work.wait()
         assert work._source_rank() == 1 and torch.equal(t, torch.arange(3.0))
-    else:
-        dist.send(torch.full((1000,), float(rank)), dst=0)
-        if rank == 1:
-            dist.send(torch.arange(3.0), dst=0)
+    elif rank == 1:
+        dist.send(torch.arange(3.0), dst=0)
     dist.barrier()
 
 
