@@ -63,17 +63,20 @@ def _fsdp2(rank, world):
             model(torch.randn(16, WIDTH, generator=g)).square().mean().backward()
             opt.step()
         params = [p.full_tensor() for p in model.parameters()]
-        # the bytes of backwards alone (forward all-gathers, and reshards after backward),
-        # the median of a few: now and then one backward counts about 0.26 MB more, in
-        # either wire
+        # the bytes of backwards alone (forward all-gathers, and reshards after backward):
+        # each count between barriers, so that no rank of the host starts its backward
+        # before the count begins or its next forward's all-gathers before it ends (without
+        # them, counts up to 0.26 MB high were seen); the median of a few
         sent = []
         for _ in range(BACKWARDS):
             loss = model(torch.randn(16, WIDTH, generator=g)).square().mean()
             dist.barrier(gloo)
             before = _tx_bytes()
+            dist.barrier(gloo)
             loss.backward()
             dist.barrier(gloo)
             sent.append(_tx_bytes() - before)
+            dist.barrier(gloo)
         out[name] = (params, statistics.median(sent))
         if name != "gloo":
             assert pycomm.shm.hierarchy(group)["hosts"] == 2
