@@ -4,6 +4,7 @@
 #include <ATen/Functions.h>
 #include <c10/util/Exception.h>
 
+#include "shm/reduce_kernels.h"
 #include "shm/tensor_args.h"
 
 namespace pycomm::shm {
@@ -27,7 +28,10 @@ void check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
   }
 }
 
-at::ScalarType coalesced_dtype(const char* op, const std::vector<at::Tensor>& inputs) {
+at::ScalarType check_reduce_scatter_list(const char* op, const std::vector<at::Tensor>& outputs,
+                                         const std::vector<at::Tensor>& inputs, int world,
+                                         const c10d::ReduceOp& reduce) {
+  check_coalesced(op, outputs, inputs, world, /*gather=*/false);
   TORCH_CHECK_VALUE(!inputs.empty(), "pycomm ", op, ": an empty list");
   const at::ScalarType dtype = inputs[0].scalar_type();
   for (size_t i = 1; i < inputs.size(); ++i) {
@@ -35,6 +39,7 @@ at::ScalarType coalesced_dtype(const char* op, const std::vector<at::Tensor>& in
                       inputs[i].scalar_type(), ", entry 0 is ", dtype,
                       ": a reduction takes one dtype per call");
   }
+  check_reduction(op, dtype, reduce);
   return dtype;
 }
 

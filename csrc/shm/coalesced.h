@@ -17,6 +17,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <cstdint>
 #include <vector>
@@ -28,9 +29,12 @@ namespace pycomm::shm {
 void check_coalesced(const char* op, const std::vector<at::Tensor>& outputs,
                      const std::vector<at::Tensor>& inputs, int world, bool gather);
 
-// The one dtype of a reduce-scatter list's inputs (not empty), or a ValueError naming the
-// first entry of another.
-at::ScalarType coalesced_dtype(const char* op, const std::vector<at::Tensor>& inputs);
+// A reduce-scatter list checked whole: its entries (check_coalesced), one dtype for all of
+// them (a ValueError naming the first entry of another; an empty list refused) and
+// `reduce` on it (check_reduction). Returns that dtype.
+at::ScalarType check_reduce_scatter_list(const char* op, const std::vector<at::Tensor>& outputs,
+                                         const std::vector<at::Tensor>& inputs, int world,
+                                         const c10d::ReduceOp& reduce);
 
 // Bytes of `tensors` packed back to back: one rank's block in a coalesced all-gather.
 int64_t packed_bytes(const std::vector<at::Tensor>& tensors);

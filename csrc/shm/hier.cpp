@@ -126,9 +126,7 @@ c10::intrusive_ptr<c10d::Work> HierBackend::reduce_scatter_tensor_coalesced(
     std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
     const c10d::ReduceScatterOptions& opts) {
   constexpr const char* op = "reduce_scatter_tensor_coalesced";
-  check_coalesced(op, outputs, inputs, size_, /*gather=*/false);
-  const at::ScalarType dtype = coalesced_dtype(op, inputs);
-  check_reduction(op, dtype, opts.reduceOp);
+  const at::ScalarType dtype = check_reduce_scatter_list(op, outputs, inputs, size_, opts.reduceOp);
   const auto reduce = opts.reduceOp.op_;
   const comm::Wire wire = reduce_scatter_wire_for(dtype, reduce);
   return enqueue(op, c10d::OpType::COALESCED, outputs,
